@@ -1,0 +1,8 @@
+"""Engines: components that run batched steps (stateless, or with a paged KV cache)."""
+
+from __future__ import annotations
+
+from mstar_async.engines.base import Engine
+from mstar_async.engines.stateless import StatelessEngine
+
+__all__ = ["Engine", "StatelessEngine"]

@@ -1,0 +1,92 @@
+"""``StatelessEngine``: batches steps of a function or module that keeps no per-request state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mstar_async.errors import EngineError
+
+#: An op: takes batched inputs by port name and returns batched outputs by port name. A tensor
+#: input arrives stacked along a new dim 0 when every step's tensor has the same shape, and as a
+#: list of per-step values otherwise (chunks, numbers, ragged tensors). Each output is either a
+#: tensor (or list) with one entry per step along dim 0.
+Op = Callable[..., Mapping[str, Any]]
+
+
+class StatelessEngine:
+    """Runs stateless ops in batches: stacks same-shaped tensor inputs, lists the rest.
+
+    ``ops`` maps op names to callables (an ``nn.Module`` is a callable). Floating tensors are
+    moved to ``device``/``dtype`` before the call; outputs are returned on the op's device.
+    Safe to share across requests: it holds no per-request state, so ``release`` does nothing.
+
+    Raises:
+        ValueError: ``ops`` is empty.
+    """
+
+    def __init__(
+        self,
+        ops: Mapping[str, Op],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not ops:
+            raise ValueError("StatelessEngine: ops must name at least one op")
+        self.ops = dict(ops)
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def forward(
+        self, op: str, batch: Sequence[Mapping[str, Any]], request_ids: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """Run ``op`` once over all steps in ``batch``.
+
+        Raises:
+            EngineError: the op is unknown, steps disagree on their input names, or the op's
+                outputs do not have one entry per step.
+        """
+        fn = self.ops.get(op)
+        if fn is None:
+            raise EngineError(f"StatelessEngine has no op {op!r}; ops: {sorted(self.ops)}")
+        if not batch:
+            return []
+        names = set(batch[0])
+        for step in batch:
+            if set(step) != names:
+                raise EngineError(
+                    f"op {op!r}: steps disagree on inputs ({sorted(names)} vs {sorted(step)})"
+                )
+        inputs = {name: self._collate([step[name] for step in batch]) for name in names}
+        with torch.inference_mode():
+            outputs = fn(**inputs)
+        return _split(op, outputs, len(batch))
+
+    def release(self, request_id: str) -> None:
+        """Nothing to release: the engine keeps no per-request state."""
+
+    def _collate(self, values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, torch.Tensor) and all(
+            isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype
+            for v in values
+        ):
+            return self._place(torch.stack(values))
+        return [self._place(v) if isinstance(v, torch.Tensor) else v for v in values]
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
+        return tensor.to(device=self.device, dtype=dtype)
+
+
+def _split(op: str, outputs: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    per_step: list[dict[str, Any]] = [{} for _ in range(n)]
+    for name, value in outputs.items():
+        if len(value) != n:
+            raise EngineError(f"op {op!r}: output {name!r} has {len(value)} entries for {n} steps")
+        for i in range(n):
+            per_step[i][name] = value[i]
+    return per_step

@@ -1,0 +1,135 @@
+"""``mstar run MODEL [--input value ...]``: one request, its outputs summarised, with timings.
+
+Any ``--name value`` after the model becomes the request input ``name`` (dashes become
+underscores), converted to the type of that input's default in the model's program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar_async.errors import MstarError
+from mstar_async.graph import Model
+from mstar_async.models import build_model
+from mstar_async.outputs import AudioChunk, ImageOutput, TextDelta
+
+
+def add_run_parser(sub: Any) -> None:
+    """Add ``run`` to the ``mstar`` subcommands."""
+    run = sub.add_parser(
+        "run",
+        help="run one request on a model and print what it produced",
+        description="Run one request. Extra --name value options become the program's inputs.",
+    )
+    run.add_argument("model", help="a model name from 'mstar models'")
+    run.add_argument("--json", action="store_true", help="print a JSON summary")
+    run.set_defaults(handler=_run)
+
+
+def parse_inputs(model: Model, extra: list[str]) -> dict[str, Any]:
+    """Turn ``--name value`` pairs into program inputs typed like the program's defaults.
+
+    Raises:
+        MstarError: an option is malformed or names no input of the program.
+    """
+    params = dict(inspect.signature(model.program).parameters)
+    params.pop(next(iter(params)))  # the request context
+    inputs: dict[str, Any] = {}
+    tokens = list(extra)
+    while tokens:
+        flag = tokens.pop(0)
+        if not flag.startswith("--") or not tokens:
+            raise MstarError(f"expected '--name value' pairs after the model, got {flag!r}")
+        name, raw = flag[2:].replace("-", "_"), tokens.pop(0)
+        if name not in params:
+            raise MstarError(
+                f"model {model.name!r} takes no input --{flag[2:]}; inputs: {sorted(params)}"
+            )
+        default = params[name].default
+        kind = (
+            type(default) if default is not inspect.Parameter.empty and default is not None else str
+        )
+        inputs[name] = (raw.lower() in ("1", "true", "yes")) if kind is bool else kind(raw)
+    return inputs
+
+
+@dataclass
+class RunSummary:
+    """What one request produced, and when."""
+
+    model: str
+    seconds_to_first_output: float | None = None
+    seconds_total: float = 0.0
+    audio_chunks: int = 0
+    audio_seconds: float = 0.0
+    sample_rate: int | None = None
+    text: str = ""
+    images: list[list[int]] = field(default_factory=list)
+
+
+async def run_request(model: Model, inputs: dict[str, Any]) -> RunSummary:
+    """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs."""
+    from mstar_async.runtime import open_runtime
+
+    summary = RunSummary(model.name)
+    async with open_runtime(model) as runtime:
+        started = time.perf_counter()
+        async with runtime.generate(**inputs) as outputs:
+            async for item in outputs:
+                if summary.seconds_to_first_output is None:
+                    summary.seconds_to_first_output = time.perf_counter() - started
+                _account(summary, item)
+        summary.seconds_total = time.perf_counter() - started
+    return summary
+
+
+def _account(summary: RunSummary, item: Any) -> None:
+    if isinstance(item, AudioChunk):
+        summary.audio_chunks += 1
+        summary.audio_seconds += item.seconds
+        summary.sample_rate = item.sample_rate
+    elif isinstance(item, TextDelta):
+        summary.text += item.text
+    elif isinstance(item, ImageOutput):
+        summary.images.append(list(item.image.shape))
+
+
+def _print(summary: RunSummary, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary.__dict__))
+        return
+    first = summary.seconds_to_first_output
+    if summary.audio_chunks:
+        print(
+            f"audio: {summary.audio_chunks} chunks, {summary.audio_seconds:.2f} s at "
+            f"{summary.sample_rate} Hz"
+        )
+    if summary.text:
+        print(f"text: {summary.text}")
+    for shape in summary.images:
+        print(f"image: {'x'.join(map(str, shape))}")
+    if first is not None:
+        print(
+            f"first output after {first * 1000:.1f} ms; request took {summary.seconds_total:.3f} s"
+        )
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    from mstar_async.cli.main import run_async
+
+    try:
+        print(f"building {args.model} ...", file=sys.stderr)
+        model = build_model(args.model)
+        inputs = parse_inputs(model, extra)
+        summary: RunSummary = run_async(run_request, model, inputs)
+    except MstarError as exc:
+        print(f"mstar run: {exc}", file=sys.stderr)
+        return 2
+    _print(summary, args.json)
+    return 0

@@ -1,0 +1,18 @@
+"""The conductor: per-request state, walk programs, and dispatch of node steps."""
+
+from __future__ import annotations
+
+from mstar_async.conductor.conductor import Conductor, RequestStream
+from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.request import RequestContext, WalkResult, WalkStream
+from mstar_async.conductor.walk_runner import WalkEvent
+
+__all__ = [
+    "Conductor",
+    "RequestContext",
+    "RequestStream",
+    "StepExecutor",
+    "WalkEvent",
+    "WalkResult",
+    "WalkStream",
+]

@@ -1,0 +1,207 @@
+"""The conductor: runs many request programs at once and streams their outputs."""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from types import TracebackType
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.request import RequestContext
+from mstar_async.errors import MstarError, RequestCancelled, RequestError
+from mstar_async.graph import Model
+from mstar_async.logs import get_logger
+from mstar_async.streams import ChannelReceiver, ChannelSender, open_channel
+
+log = get_logger("mstar_async.conductor")
+
+#: How many program outputs may wait for the client before the program is held back.
+OUTPUT_BUFFER = 16
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The single leaf of nested exception groups, or ``exc`` itself when there are several."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class RequestStream:
+    """A request's outputs, in order, as they are made: an async iterator you must close.
+
+    Use ``async with conductor.generate(...) as outputs: async for item in outputs: ...`` or
+    call ``aclose()``; closing early cancels the request, and ``aclose()`` returns only once
+    its walks have stopped, its channels are closed and its engines have released it.
+    """
+
+    def __init__(self, request_id: str, receiver: ChannelReceiver[Any]) -> None:
+        self.request_id = request_id
+        self.context: RequestContext | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._receiver = receiver
+        self._scope = anyio.CancelScope()
+        self._finished = anyio.Event()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        """The next output.
+
+        Raises:
+            RequestError: the request failed (the cause attached); ``RequestCancelled`` if it
+                was cancelled from elsewhere (a timeout, ``conductor.cancel``).
+        """
+        try:
+            return await self._receiver.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            pass
+        await self._finished.wait()
+        if self.error is not None:
+            raise RequestError(f"request {self.request_id} failed: {self.error}") from self.error
+        if self.cancelled:
+            raise RequestCancelled(f"request {self.request_id} was cancelled")
+        raise StopAsyncIteration
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def cancel(self) -> None:
+        """Ask the request to stop; it ends (and releases everything) on its next checkpoint."""
+        self._scope.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel the request if it still runs and wait until it has released everything.
+
+        Safe from a cancelled task: the wait is shielded and lasts until the step in flight ends.
+        """
+        self._scope.cancel()
+        self._receiver.close()
+        with anyio.CancelScope(shield=True):
+            await self._finished.wait()
+
+
+class Conductor:
+    """Runs request programs of one model, sending their node steps to ``executor``.
+
+    Use as ``async with Conductor(model, executor) as conductor:``; leaving the block cancels
+    requests still running. Runs on the host's event loop (asyncio or uvloop), owning no loop.
+    """
+
+    def __init__(
+        self, model: Model, executor: StepExecutor, *, output_buffer: int = OUTPUT_BUFFER
+    ) -> None:
+        self.model = model
+        self.executor = executor
+        self.output_buffer = output_buffer
+        self.active: dict[str, RequestStream] = {}
+        self._task_group: TaskGroup | None = None
+        self._signature = inspect.signature(model.program)
+
+    async def __aenter__(self) -> Conductor:
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        try:
+            return await self._task_group.__aexit__(exc_type, exc, tb)
+        finally:
+            self._task_group = None
+
+    def generate(self, *, request_id: str | None = None, **inputs: Any) -> RequestStream:
+        """Start a request of the model's program with ``inputs`` and return its output stream.
+
+        Raises:
+            RuntimeError: the conductor is not open (use ``async with``).
+            RequestError: ``inputs`` do not fit the program's signature (names the problem).
+        """
+        if self._task_group is None:
+            raise RuntimeError("the conductor is not running; use 'async with Conductor(...)'")
+        try:
+            self._signature.bind(None, **inputs)
+        except TypeError as exc:
+            raise RequestError(f"model {self.model.name!r}: bad request inputs: {exc}") from None
+        request_id = request_id or uuid.uuid4().hex[:16]
+        sender: ChannelSender[Any]
+        receiver: ChannelReceiver[Any]
+        sender, receiver = open_channel(self.output_buffer, name=f"request {request_id}")
+        stream = RequestStream(request_id, receiver)
+        self.active[request_id] = stream
+        self._task_group.start_soon(
+            self._serve, stream, sender, inputs, name=f"request {request_id}"
+        )
+        return stream
+
+    async def _serve(
+        self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
+    ) -> None:
+        started = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=stream.request_id):
+            log.debug("request.start", model=self.model.name)
+            completed = False
+            try:
+                with stream._scope:
+                    await self._run_program(stream, sender, inputs)
+                    completed = True
+            except Exception as exc:  # a failure of this request only; never a cancellation
+                stream.error = _as_request_failure(unwrap(exc), stream)
+            finally:
+                stream.cancelled = stream.cancelled or (not completed and stream.error is None)
+                sender.close()
+                if stream.context is not None:
+                    stream.context.close_channels()
+                self.executor.release(stream.request_id)
+                self.active.pop(stream.request_id, None)
+                stream._finished.set()
+                log.debug(
+                    "request.end",
+                    seconds=round(time.perf_counter() - started, 4),
+                    cancelled=stream.cancelled,
+                    error=repr(stream.error) if stream.error else None,
+                )
+
+    async def _run_program(
+        self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
+    ) -> None:
+        async with anyio.create_task_group() as walks:
+            context = RequestContext(stream.request_id, self.model, self.executor, walks)
+            stream.context = context
+            context.track(sender, stream._receiver)
+            async with aclosing(self.model.program(context, **inputs)) as program:
+                async for item in program:
+                    await sender.send(item)
+            walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
+
+
+def _as_request_failure(exc: BaseException, stream: RequestStream) -> BaseException | None:
+    if isinstance(exc, anyio.BrokenResourceError | anyio.ClosedResourceError):
+        stream.cancelled = True  # the client stopped reading: that is a cancellation
+        return None
+    if not isinstance(exc, MstarError):
+        log.error("request.failed", error=repr(exc))
+    return exc

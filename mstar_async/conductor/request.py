@@ -1,0 +1,232 @@
+"""Per-request state and the API a request program uses to run walks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskGroup
+
+from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.walk_runner import WalkEvent, WalkRunner
+from mstar_async.errors import WalkInputError
+from mstar_async.graph import Model, PortRef, WalkPlan
+from mstar_async.streams import ChannelReceiver, ChannelSender, open_channel
+
+#: How many walk outputs may wait for the program before the walk is held back.
+WALK_OUTPUT_BUFFER = 16
+
+
+class _Closable(Protocol):
+    @property
+    def closed(self) -> bool: ...
+
+
+class RequestContext:
+    """One request's state: its id, values persisted between walks, and its open channels.
+
+    A request program receives this as its first argument and runs walks through ``run`` and
+    ``stream``. Not shared between requests.
+    """
+
+    def __init__(
+        self, request_id: str, model: Model, executor: StepExecutor, task_group: TaskGroup
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.executor = executor
+        self.persisted: dict[PortRef, Any] = {}
+        self._task_group = task_group
+        self._channels: list[Any] = []
+
+    def track(self, *ends: Any) -> None:
+        """Remember channel ends so the request closes them all when it ends, however it ends."""
+        self._channels.extend(ends)
+
+    @property
+    def channels(self) -> list[_Closable]:
+        """Every channel end this request opened (for leak checks: all ``closed`` once it ends)."""
+        return list(self._channels)
+
+    def close_channels(self) -> None:
+        """Close every channel end this request opened; idempotent."""
+        for end in self._channels:
+            close = getattr(end, "close_now", None) or end.close
+            close()
+
+    def stream(
+        self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any
+    ) -> WalkStream:
+        """Start walk ``walk`` and iterate its outputs as they are made.
+
+        ``inputs`` feed the walk's free input ports, by ``port`` (every free port of that name)
+        or ``"node.port"``; ``params`` reach loop bounds and ``DynamicLoop.until``. Use it as
+        ``async with request.stream(...) as events: async for event in events: ...``.
+
+        Raises:
+            GraphError: the model has no such walk.
+            WalkInputError: an input names no free input port of the walk.
+        """
+        plan = self.model.plan(walk)
+        return WalkStream(self, plan, _bind_inputs(plan, inputs), dict(params or {}))
+
+    async def run(
+        self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any
+    ) -> WalkResult:
+        """Run walk ``walk`` to the end and return the last value of each of its outputs.
+
+        Cancel-safe: cancelling stops the walk and closes its channels.
+
+        Raises:
+            GraphError, WalkInputError: as ``stream``.
+            RequestError, EngineError: a step failed.
+        """
+        last: dict[str, Any] = {}
+        async with self.stream(walk, params, **inputs) as events:
+            async for event in events:
+                last[event.port] = event.value
+        return WalkResult(last)
+
+
+def _bind_inputs(plan: WalkPlan, inputs: Mapping[str, Any]) -> dict[PortRef, Any]:
+    bound: dict[PortRef, Any] = {}
+    for key, value in inputs.items():
+        if "." in key:
+            ref = PortRef.parse(key, role="walk input")
+            matches = [ref] if ref in plan.input_ports else []
+        else:
+            matches = [ref for ref in plan.input_ports if ref.port == key]
+        if not matches:
+            names = sorted({r.port for r in plan.input_ports} | {str(r) for r in plan.input_ports})
+            raise WalkInputError(
+                f"walk {plan.walk.name!r} takes no input {key!r}; its inputs are {names}"
+            )
+        for ref in matches:
+            bound[ref] = value
+    return bound
+
+
+class WalkResult(Mapping[str, Any]):
+    """The outputs of a finished walk, by ``"node.port"`` or by bare port name when unique."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = values
+        self._by_port: dict[str, list[str]] = {}
+        for key in values:
+            self._by_port.setdefault(key.split(".", 1)[1], []).append(key)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._values:
+            return self._values[key]
+        full = self._by_port.get(key, [])
+        if len(full) == 1:
+            return self._values[full[0]]
+        if full:
+            raise KeyError(f"{key!r} is ambiguous: use one of {full}")
+        raise KeyError(f"no output {key!r}; outputs: {sorted(self._values)}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class WalkStream:
+    """The outputs of one running walk, as an async iterator of ``WalkEvent``s.
+
+    The walk starts on ``async with`` (or the first ``__anext__``) and runs in the request's
+    task group; ``aclose()`` stops it and waits until its channels are closed. An error inside
+    the walk fails the whole request.
+    """
+
+    def __init__(
+        self,
+        request: RequestContext,
+        plan: WalkPlan,
+        inputs: dict[PortRef, Any],
+        params: dict[str, Any],
+    ) -> None:
+        self._request = request
+        self._plan = plan
+        self._inputs = inputs
+        self._params = params
+        self._scope = anyio.CancelScope()
+        self._finished = anyio.Event()
+        self._receiver: ChannelReceiver[WalkEvent] | None = None
+        self._error: Exception | None = None
+
+    def _start(self) -> ChannelReceiver[WalkEvent]:
+        if self._receiver is None:
+            sender: ChannelSender[WalkEvent]
+            receiver: ChannelReceiver[WalkEvent]
+            sender, receiver = open_channel(WALK_OUTPUT_BUFFER, name=f"walk {self._plan.walk.name}")
+            self._request.track(sender, receiver)
+            runner = WalkRunner(self._plan, self._request, self._inputs, self._params, sender)
+            self._request._task_group.start_soon(self._run, runner, sender)
+            self._receiver = receiver
+        return self._receiver
+
+    async def _run(self, runner: WalkRunner, sender: ChannelSender[WalkEvent]) -> None:
+        try:
+            with self._scope:
+                async with sender:
+                    await runner.run()
+        except Exception as exc:  # handed to whoever reads the walk; cancellation passes through
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    async def __aenter__(self) -> WalkStream:
+        self._start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose(raise_error=exc is None)
+
+    def __aiter__(self) -> AsyncIterator[WalkEvent]:
+        return self
+
+    async def __anext__(self) -> WalkEvent:
+        """The next output of the walk.
+
+        Raises:
+            MstarError: the walk failed (a step's error, a missing input).
+        """
+        try:
+            return await self._start().receive()
+        except anyio.EndOfStream:
+            pass
+        await self._finished.wait()
+        self._raise_error()
+        raise StopAsyncIteration
+
+    async def aclose(self, *, raise_error: bool = True) -> None:
+        """Stop the walk if it still runs and wait until it has closed its channels.
+
+        Safe to call more than once and from a cancelled task (the wait is shielded; it lasts at
+        most until the step in flight returns).
+
+        Raises:
+            MstarError: the walk had failed and nobody has seen its error yet.
+        """
+        self._scope.cancel()
+        if self._receiver is None:
+            return
+        self._receiver.close()
+        with anyio.CancelScope(shield=True):
+            await self._finished.wait()
+        if raise_error:
+            self._raise_error()

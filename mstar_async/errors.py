@@ -1,0 +1,68 @@
+"""Every exception mstar_async raises on purpose, in one tree.
+
+    MstarError
+    ├── GraphError            a model's graph or walks break a rule (raised when the model is built)
+    ├── WalkInputError        a walk was called without an input it needs, or with an unknown one
+    ├── PolicyError           a chunk policy was misused (push after close, mixed item kinds)
+    ├── ChannelError          a channel or streaming edge was used against its contract
+    ├── EngineError           an engine could not run a step (bad op, bad shapes, missing outputs)
+    │   └── KVCacheFull       the paged KV cache has no free block for a step
+    ├── RequestError          a request failed; ``__cause__`` holds what went wrong inside it
+    │   └── RequestCancelled  the request was cancelled before it finished
+    ├── WorkerLost            a worker process died with requests in flight
+    ├── PlacementError        a placement names an unknown node or rank, or cannot connect a walk
+    └── ModelNotFound         no model of that name is registered in the zoo
+
+Argument checks on constructors raise plain ``ValueError`` / ``TypeError`` naming the argument,
+as the standard library does; everything raised while serving derives from ``MstarError``.
+"""
+
+from __future__ import annotations
+
+
+class MstarError(Exception):
+    """Base of every error mstar_async raises on purpose."""
+
+
+class GraphError(MstarError):
+    """A model's graph or walks break a rule; the message names the culprit and the fix."""
+
+
+class WalkInputError(MstarError):
+    """A walk was called without an input it needs, or with an input it does not take."""
+
+
+class PolicyError(MstarError):
+    """A chunk policy was used against its contract (push after close, mixed item kinds)."""
+
+
+class ChannelError(MstarError):
+    """A channel or streaming edge was used against its contract."""
+
+
+class EngineError(MstarError):
+    """An engine could not run a step: unknown op, inputs it cannot batch, missing outputs."""
+
+
+class KVCacheFull(EngineError):
+    """The paged KV cache has no free block left for a step."""
+
+
+class RequestError(MstarError):
+    """A request failed; ``__cause__`` carries the underlying error."""
+
+
+class RequestCancelled(RequestError):
+    """The request was cancelled (client gone, barge-in, timeout) before it finished."""
+
+
+class WorkerLost(MstarError):
+    """A worker process died while it had requests in flight; the message names its rank."""
+
+
+class PlacementError(MstarError):
+    """A placement names an unknown node or rank, or cuts a walk's nodes off from each other."""
+
+
+class ModelNotFound(MstarError):
+    """No model of the requested name is registered in the zoo."""

@@ -1,0 +1,39 @@
+"""The component graph G, the walks W over it, and their validation.
+
+Declarative and checked when a ``Model`` is built; immutable after. Imports only policies.
+"""
+
+from __future__ import annotations
+
+from mstar_async.graph.blocks import (
+    Block,
+    DynamicLoop,
+    Loop,
+    LoopStep,
+    NodeRef,
+    Parallel,
+    Sequential,
+    Walk,
+)
+from mstar_async.graph.model import Model, Program
+from mstar_async.graph.nodes import Edge, Node, PortRef, stream
+from mstar_async.graph.plan import EdgePlan, WalkPlan
+
+__all__ = [
+    "Block",
+    "DynamicLoop",
+    "Edge",
+    "EdgePlan",
+    "Loop",
+    "LoopStep",
+    "Model",
+    "Node",
+    "NodeRef",
+    "Parallel",
+    "PortRef",
+    "Program",
+    "Sequential",
+    "Walk",
+    "WalkPlan",
+    "stream",
+]

@@ -1,0 +1,8 @@
+"""The model zoo: architecture-faithful models built with seeded weights, by name."""
+
+from __future__ import annotations
+
+from mstar_async.models import demo as _demo  # noqa: F401  (registers "demo")
+from mstar_async.models.registry import ModelEntry, build_model, list_models, register
+
+__all__ = ["ModelEntry", "build_model", "list_models", "register"]

@@ -1,0 +1,50 @@
+"""The typed outputs a request program yields: what clients of the runtime receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A piece of generated text, in order."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    """Mono PCM samples in [-1, 1] (float32), with their sample rate and speech segment."""
+
+    pcm: torch.Tensor
+    sample_rate: int
+    segment: int = 0
+
+    @property
+    def seconds(self) -> float:
+        """Duration of this chunk."""
+        return self.pcm.numel() / self.sample_rate
+
+
+@dataclass(frozen=True, slots=True)
+class ImageOutput:
+    """An image as a float tensor [channels, height, width] with values in [0, 1]."""
+
+    image: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class LatentOutput:
+    """A latent tensor (world-model predictions, intermediate states)."""
+
+    latent: torch.Tensor
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ActionOutput:
+    """A chunk of robot actions [horizon, action_dim]."""
+
+    actions: torch.Tensor

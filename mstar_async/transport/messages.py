@@ -1,0 +1,22 @@
+"""The messages a conductor sends to the worker that runs a node."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StepCall:
+    """One step of one node for one request: run ``op`` of ``engine`` on ``inputs``.
+
+    ``inputs`` maps the node's input port names to values (tensors, chunks, plain Python values).
+    The worker batches calls for the same engine and op from many requests into one forward.
+    """
+
+    request_id: str
+    engine: str
+    op: str
+    inputs: Mapping[str, Any]
+    node: str = ""
