@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar_async.engines.base import Engine
+from mstar_async.engines.base import Engine, Step
 from mstar_async.engines.stateless import StatelessEngine
 
-__all__ = ["Engine", "StatelessEngine"]
+__all__ = ["Engine", "StatelessEngine", "Step"]

@@ -3,28 +3,64 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class Step:
+    """One step of one request: run ``op`` on ``inputs`` (port name -> value).
+
+    ``budget`` is set by the batching loop: how many tokens this step may process in this
+    forward (a long prompt's prefill is split over several forwards). 0 means no limit.
+    """
+
+    request_id: str
+    op: str
+    inputs: Mapping[str, Any]
+    budget: int = 0
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """A component that runs batched steps; the worker's batching loop drives it.
+    """A component that runs batched steps; a worker's batching loop drives it.
 
-    ``forward`` is synchronous and runs off the event loop's thread, one call at a time per
-    worker. ``batch[i]`` holds the inputs of request ``request_ids[i]``'s step (port name ->
-    value); the result holds one output mapping per step, in the same order.
+    ``forward`` and ``release`` are synchronous and run off the event loop's thread, one call at a
+    time per worker, so an engine needs no locks of its own.
     """
 
-    def forward(
-        self, op: str, batch: Sequence[Mapping[str, Any]], request_ids: Sequence[str]
-    ) -> list[dict[str, Any]]:
-        """Run one batched forward of ``op``.
+    def cost(self, step: Step) -> int:
+        """Tokens ``step`` still needs to finish (1 for a step that is done in one go)."""
+        ...
+
+    def forward(self, steps: Sequence[Step]) -> list[dict[str, Any] | None]:
+        """Run one batched forward over ``steps``; one result per step, in order.
+
+        A result is the step's outputs by port name, or ``None`` when the step made progress
+        (or had to wait for memory) and must be submitted again in a later forward.
 
         Raises:
-            EngineError: unknown op, inputs it cannot batch, or outputs missing.
+            EngineError: unknown op, inputs it cannot batch, missing outputs. The error fails
+                every step of this forward.
         """
         ...
 
     def release(self, request_id: str) -> None:
-        """Drop everything held for ``request_id`` (KV blocks, caches); idempotent, never raises."""
+        """Drop everything held for ``request_id`` (KV blocks, generators); idempotent."""
         ...
+
+
+def one_shot_cost(step: Step) -> int:
+    """The cost of a step that always finishes in one forward."""
+    return 1
+
+
+def group_by_op(steps: Sequence[Step]) -> dict[str, list[int]]:
+    """Indices of ``steps`` grouped by op, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, step in enumerate(steps):
+        groups.setdefault(step.op, []).append(i)
+    return groups
+
+
+__all__ = ["Engine", "Step", "group_by_op", "one_shot_cost"]

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from mstar_async.engines.base import Step, group_by_op
 from mstar_async.errors import EngineError
 
 #: An op: takes batched inputs by port name and returns batched outputs by port name. A tensor
 #: input arrives stacked along a new dim 0 when every step's tensor has the same shape, and as a
-#: list of per-step values otherwise (chunks, numbers, ragged tensors). Each output is either a
-#: tensor (or list) with one entry per step along dim 0.
+#: list of per-step values otherwise (chunks, numbers, ragged tensors). Each output is a tensor
+#: (or list) with one entry per step along dim 0.
 Op = Callable[..., Mapping[str, Any]]
 
 
@@ -20,8 +21,8 @@ class StatelessEngine:
     """Runs stateless ops in batches: stacks same-shaped tensor inputs, lists the rest.
 
     ``ops`` maps op names to callables (an ``nn.Module`` is a callable). Floating tensors are
-    moved to ``device``/``dtype`` before the call; outputs are returned on the op's device.
-    Safe to share across requests: it holds no per-request state, so ``release`` does nothing.
+    moved to ``device``/``dtype`` before the call. Steps of different ops in one forward run as
+    one call per op. It holds no per-request state, so ``release`` does nothing.
 
     Raises:
         ValueError: ``ops`` is empty.
@@ -40,29 +41,42 @@ class StatelessEngine:
         self.device = torch.device(device)
         self.dtype = dtype
 
-    def forward(
-        self, op: str, batch: Sequence[Mapping[str, Any]], request_ids: Sequence[str]
-    ) -> list[dict[str, Any]]:
-        """Run ``op`` once over all steps in ``batch``.
+    def cost(self, step: Step) -> int:
+        """Every step finishes in one forward."""
+        return 1
+
+    def forward(self, steps: Sequence[Step]) -> list[dict[str, Any] | None]:
+        """Run each op once over all of its steps in ``steps``.
 
         Raises:
-            EngineError: the op is unknown, steps disagree on their input names, or the op's
+            EngineError: an op is unknown, steps disagree on their input names, or an op's
                 outputs do not have one entry per step.
+        """
+        results: list[dict[str, Any] | None] = [None] * len(steps)
+        for op, indices in group_by_op(steps).items():
+            outputs = self.run_op(op, [steps[i].inputs for i in indices])
+            for i, output in zip(indices, outputs, strict=True):
+                results[i] = output
+        return results
+
+    def run_op(self, op: str, batch: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Run ``op`` on the inputs of several steps at once; one output mapping per step.
+
+        Raises:
+            EngineError: as ``forward``.
         """
         fn = self.ops.get(op)
         if fn is None:
             raise EngineError(f"StatelessEngine has no op {op!r}; ops: {sorted(self.ops)}")
-        if not batch:
-            return []
         names = set(batch[0])
-        for step in batch:
-            if set(step) != names:
+        for inputs in batch:
+            if set(inputs) != names:
                 raise EngineError(
-                    f"op {op!r}: steps disagree on inputs ({sorted(names)} vs {sorted(step)})"
+                    f"op {op!r}: steps disagree on inputs ({sorted(names)} vs {sorted(inputs)})"
                 )
-        inputs = {name: self._collate([step[name] for step in batch]) for name in names}
+        collated = {name: self._collate([inputs[name] for inputs in batch]) for name in names}
         with torch.inference_mode():
-            outputs = fn(**inputs)
+            outputs = fn(**collated)
         return _split(op, outputs, len(batch))
 
     def release(self, request_id: str) -> None:

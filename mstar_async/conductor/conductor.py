@@ -175,7 +175,8 @@ class Conductor:
                 sender.close()
                 if stream.context is not None:
                     stream.context.close_channels()
-                self.executor.release(stream.request_id)
+                with anyio.CancelScope(shield=True):
+                    await self.executor.release(stream.request_id)
                 self.active.pop(stream.request_id, None)
                 stream._finished.set()
                 log.debug(

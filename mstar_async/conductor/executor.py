@@ -17,6 +17,7 @@ class StepExecutor(Protocol):
         """
         ...
 
-    def release(self, request_id: str) -> None:
-        """The request is over: free what engines hold for it. Idempotent, never raises."""
+    async def release(self, request_id: str) -> None:
+        """The request is over: free what engines hold for it. Idempotent, never raises, and
+        completes even when the caller is being cancelled."""
         ...

@@ -1,9 +1,12 @@
 """The continuous-batching loop of one worker.
 
-Node coroutines of many requests submit steps; the loop takes every step that is ready, groups
-them by (engine, op), runs each group as one forward off the event-loop thread, and resolves each
-step's waiter. Requests join and leave between forwards. The queue is a plain FIFO ``deque``: the
-oldest step is served first, so no request starves, and removal on cancel is rare (O(n) is fine).
+Node coroutines of many requests submit steps; the loop takes every step that is ready, up to a
+token budget per engine, runs one forward per engine off the event-loop thread, and resolves each
+step's waiter. Requests join and leave between forwards. A step an engine did not finish (a
+chunk of a long prefill, or one that waited for KV memory) goes back to the front of the queue.
+
+The queue is a plain FIFO ``deque``: the oldest step is served first so no request starves;
+removal on cancel is rare, so its O(n) cost does not matter.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from mstar_async.engines import Engine
+from mstar_async.engines import Engine, Step
 from mstar_async.errors import EngineError, MstarError
 from mstar_async.transport import StepCall
 
 
 class _Pending:
-    __slots__ = ("call", "done", "error", "result", "taken")
+    __slots__ = ("done", "engine", "error", "result", "step", "taken")
 
-    def __init__(self, call: StepCall) -> None:
-        self.call = call
+    def __init__(self, engine: str, step: Step) -> None:
+        self.engine = engine
+        self.step = step
         self.done = anyio.Event()
         self.taken = False
         self.result: dict[str, Any] | None = None
@@ -35,7 +39,7 @@ class _Pending:
 
 @dataclass
 class BatchStats:
-    """Counts of what the loop ran: forwards, steps, and how many forwards had each batch size."""
+    """What the loop ran: forwards, steps, tokens, and how many forwards had each batch size."""
 
     forwards: int = 0
     steps: int = 0
@@ -51,12 +55,13 @@ class BatchingLoop:
     """Runs the steps submitted to one worker's engines in batches.
 
     Start ``run()`` in a task group; ``submit`` from any task of the same event loop.
-    ``max_batch_size`` caps the steps one forward takes; ``settle_rounds`` is how many scheduler
-    passes the loop waits for more steps to arrive before it runs a forward (tiny models on a CPU
-    finish a forward before other requests have submitted theirs).
+    ``max_batch_tokens`` caps the tokens one forward of an engine processes (decode steps cost
+    one; a prefill gets what is left, so decodes are never starved by a long prompt);
+    ``max_batch_size`` caps its steps. ``settle_rounds`` is how many scheduler passes the loop
+    gives other tasks to submit before it runs a forward.
 
     Raises:
-        ValueError: ``max_batch_size`` is below 1.
+        ValueError: a limit is below 1.
     """
 
     def __init__(
@@ -64,12 +69,17 @@ class BatchingLoop:
         engines: Mapping[str, Engine],
         *,
         max_batch_size: int = 256,
+        max_batch_tokens: int = 512,
         settle_rounds: int = 8,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_size < 1 or max_batch_tokens < 1:
+            raise ValueError(
+                f"max_batch_size and max_batch_tokens must be >= 1, got "
+                f"{max_batch_size} and {max_batch_tokens}"
+            )
         self.engines = dict(engines)
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.settle_rounds = settle_rounds
         self.stats = BatchStats()
         self._queue: deque[_Pending] = deque()
@@ -89,7 +99,7 @@ class BatchingLoop:
             raise EngineError(
                 f"no engine {call.engine!r} on this worker; engines: {sorted(self.engines)}"
             )
-        pending = _Pending(call)
+        pending = _Pending(call.engine, Step(call.request_id, call.op, call.inputs))
         self._queue.append(pending)
         self._wake.set()
         try:
@@ -103,8 +113,16 @@ class BatchingLoop:
         assert pending.result is not None
         return pending.result
 
-    def release(self, request_id: str) -> None:
-        """Tell every engine that ``request_id`` is over (finished, failed or cancelled)."""
+    async def release(self, request_id: str) -> None:
+        """Tell every engine that ``request_id`` is over (finished, failed or cancelled).
+
+        Runs on the forward thread, after any forward in flight, so engines see no races.
+        Shielded from cancellation: a release always completes.
+        """
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._release, request_id, limiter=self._limiter)
+
+    def _release(self, request_id: str) -> None:
         for engine in self.engines.values():
             engine.release(request_id)
 
@@ -120,10 +138,9 @@ class BatchingLoop:
                 self._wake = anyio.Event()
                 await self._wake.wait()
             await self._settle()
-            batch = self._take()
-            await anyio.to_thread.run_sync(self._forward_groups, batch, limiter=self._limiter)
-            for pending in batch:
-                pending.done.set()
+            batches = self._take()
+            await anyio.to_thread.run_sync(self._forward_all, batches, limiter=self._limiter)
+            self._resolve(batches)
 
     async def _settle(self) -> None:
         quiet, size = 0, len(self._queue)
@@ -134,43 +151,72 @@ class BatchingLoop:
             if quiet >= 2:
                 return
 
-    def _take(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        while self._queue and len(batch) < self.max_batch_size:
-            pending = self._queue.popleft()
-            pending.taken = True
-            batch.append(pending)
-        return batch
+    def _take(self) -> dict[str, list[_Pending]]:
+        """Steps for this round, per engine: one-token steps first, then longer ones with the
+        tokens left (chunked), each engine within its own token budget."""
+        queued: dict[str, list[_Pending]] = {}
+        for pending in self._queue:
+            queued.setdefault(pending.engine, []).append(pending)
+        batches: dict[str, list[_Pending]] = {}
+        for name, candidates in queued.items():
+            engine = self.engines[name]
+            costs = [max(1, engine.cost(p.step)) for p in candidates]
+            chosen: list[_Pending] = []
+            tokens = 0
+            for short in (True, False):
+                for pending, cost in zip(candidates, costs, strict=True):
+                    if (cost == 1) != short or len(chosen) >= self.max_batch_size:
+                        continue
+                    grant = min(cost, self.max_batch_tokens - tokens)
+                    if grant < 1:
+                        break
+                    pending.step.budget = grant
+                    tokens += grant
+                    chosen.append(pending)
+            batches[name] = chosen
+        for chosen in batches.values():
+            for pending in chosen:
+                pending.taken = True
+                self._queue.remove(pending)
+        return batches
 
-    def _forward_groups(self, batch: list[_Pending]) -> None:
-        groups: dict[tuple[str, str], list[_Pending]] = {}
-        for pending in batch:
-            groups.setdefault((pending.call.engine, pending.call.op), []).append(pending)
-        for (engine_name, op), group in groups.items():
-            self._forward_one(engine_name, op, group)
+    def _forward_all(self, batches: dict[str, list[_Pending]]) -> None:
+        for name, group in batches.items():
+            if group:
+                self._forward_one(name, group)
 
-    def _forward_one(self, engine_name: str, op: str, group: list[_Pending]) -> None:
+    def _forward_one(self, name: str, group: list[_Pending]) -> None:
         self.stats.forwards += 1
         self.stats.steps += len(group)
         self.stats.batch_sizes[len(group)] += 1
         try:
-            results = self.engines[engine_name].forward(
-                op, [p.call.inputs for p in group], [p.call.request_id for p in group]
-            )
+            results = self.engines[name].forward([p.step for p in group])
             if len(results) != len(group):
                 raise EngineError(
-                    f"engine {engine_name!r} op {op!r} returned {len(results)} results for "
-                    f"{len(group)} steps"
+                    f"engine {name!r} returned {len(results)} results for {len(group)} steps"
                 )
-        except MstarError as exc:
-            for pending in group:
-                pending.error = exc
-            return
         except Exception as exc:
-            error = EngineError(f"engine {engine_name!r} op {op!r} failed: {exc!r}")
-            error.__cause__ = exc
             for pending in group:
-                pending.error = error
+                pending.error = _engine_error(name, exc)
             return
         for pending, result in zip(group, results, strict=True):
             pending.result = result
+
+    def _resolve(self, batches: dict[str, list[_Pending]]) -> None:
+        unfinished: list[_Pending] = []
+        for group in batches.values():
+            for pending in group:
+                if pending.error is None and pending.result is None:
+                    pending.taken = False
+                    unfinished.append(pending)
+                else:
+                    pending.done.set()
+        self._queue.extendleft(reversed(unfinished))
+
+
+def _engine_error(name: str, exc: Exception) -> BaseException:
+    if isinstance(exc, MstarError):
+        return exc
+    error = EngineError(f"engine {name!r} failed: {exc!r}")
+    error.__cause__ = exc
+    return error

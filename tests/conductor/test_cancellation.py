@@ -58,9 +58,9 @@ async def _settled_tasks() -> set[asyncio.Task[Any]]:
 def _watch_release(runtime: Runtime, probe: Probe) -> None:
     original = runtime.batching.release
 
-    def release(request_id: str) -> None:
+    async def release(request_id: str) -> None:
         probe.released.append(request_id)
-        original(request_id)
+        await original(request_id)
 
     runtime.batching.release = release  # type: ignore[method-assign]
 

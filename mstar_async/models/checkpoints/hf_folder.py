@@ -1,0 +1,121 @@
+"""Reading a local Hugging Face checkpoint folder (config, safetensors weights, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mstar_async.models.checkpoints.errors import CheckpointError
+from mstar_async.models.checkpoints.tokenizer import ChatTokenizer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read into memory.
+
+    ``config`` is config.json as parsed; ``state_dict`` maps the upstream parameter names
+    (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors; ``path`` is the folder.
+    """
+
+    config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: ChatTokenizer
+    path: Path
+
+
+def _read_object(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: put the model's {what} there")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot parse {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files of ``folder``, each with the tensor names to read from it.
+
+    ``None`` means "every tensor in the file" (the single-file layout). Raises
+    ``CheckpointError`` naming the file when the weights, the index, or a shard are missing.
+    """
+    single = folder / WEIGHTS_FILE
+    index_path = folder / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return {single: None}
+    if not index_path.is_file():
+        hint = ""
+        if (folder / "pytorch_model.bin").exists():
+            hint = " (pytorch_model.bin was found, but only safetensors weights are read)"
+        raise CheckpointError(
+            f"{single} is missing{hint}: put the weights there as safetensors, or shard them as "
+            f"model-0000X-of-0000N.safetensors with a {WEIGHTS_INDEX_FILE} mapping names to shards"
+        )
+    index = _read_object(index_path, "safetensors shard index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f'{index_path} has no "weight_map" of tensor name -> shard file')
+    shards: dict[Path, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(folder / str(shard), []).append(str(name))
+    for shard_path in shards:
+        if not shard_path.is_file():
+            raise CheckpointError(
+                f"{shard_path} is missing: {index_path.name} lists it as a weight shard"
+            )
+    return {shard_path: names for shard_path, names in shards.items()}
+
+
+def load_state_dict(
+    folder: str | Path, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Read every tensor of the safetensors checkpoint in ``folder``.
+
+    Files are memory-mapped and read one tensor at a time, so peak memory is the state dict
+    itself. Floating tensors are cast to ``dtype`` when given; others keep theirs.
+    Raises ``CheckpointError`` naming the missing or unreadable file.
+    """
+    folder = Path(folder)
+    state: dict[str, torch.Tensor] = {}
+    for path, names in weight_files(folder).items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names if names is not None else f.keys():
+                    tensor = f.get_tensor(name)
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    state[name] = tensor
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types and OSError
+            raise CheckpointError(f"cannot read weights from {path}: {exc}") from exc
+    return state
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None) -> Checkpoint:
+    """Load the Hugging Face checkpoint folder at ``path``.
+
+    Reads ``config.json``, the weights (``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json``), and the tokenizer (``tokenizer.json`` plus optional
+    ``tokenizer_config.json`` / ``generation_config.json``). ``dtype`` casts floating tensors;
+    by default they keep the stored dtype. Raises ``CheckpointError`` naming the missing or
+    broken file and what belongs there.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder: pass a Hugging Face checkpoint folder")
+    config = _read_object(folder / CONFIG_FILE, "configuration (config.json from save_pretrained)")
+    tokenizer = ChatTokenizer.from_folder(folder)
+    state_dict = load_state_dict(folder, dtype)
+    return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=folder)

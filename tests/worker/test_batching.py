@@ -1,0 +1,125 @@
+"""The batching loop: token budgets, chunked steps, cancellation, errors, release."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from mstar_async.engines import Step
+from mstar_async.errors import EngineError
+from mstar_async.transport import StepCall
+from mstar_async.worker import BatchingLoop
+
+pytestmark = pytest.mark.anyio
+
+
+class CountingEngine:
+    """Each step needs ``inputs["n"]`` tokens; a forward processes at most the step's budget."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, int] = {}
+        self.forwards: list[list[tuple[str, int]]] = []
+        self.released: list[str] = []
+
+    def cost(self, step: Step) -> int:
+        return int(step.inputs["n"]) - self.done.get(step.request_id, 0)
+
+    def forward(self, steps: Sequence[Step]) -> list[dict[str, Any] | None]:
+        self.forwards.append([(s.request_id, s.budget) for s in steps])
+        results: list[dict[str, Any] | None] = []
+        for step in steps:
+            if step.inputs.get("fail"):
+                raise ValueError("boom")
+            self.done[step.request_id] = self.done.get(step.request_id, 0) + step.budget
+            finished = self.done[step.request_id] >= int(step.inputs["n"])
+            results.append({"tokens": self.done[step.request_id]} if finished else None)
+        return results
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+        self.done.pop(request_id, None)
+
+
+def call(request_id: str, n: int, **extra: Any) -> StepCall:
+    return StepCall(request_id, "lm", "step", {"n": n, **extra})
+
+
+async def run_calls(loop: BatchingLoop, calls: list[StepCall]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+
+    async def one(c: StepCall) -> None:
+        try:
+            results[c.request_id] = await loop.submit(c)
+        except EngineError as exc:
+            results[c.request_id] = exc
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run)
+            async with anyio.create_task_group() as calls_tg:
+                for c in calls:
+                    calls_tg.start_soon(one, c)
+            tg.cancel_scope.cancel()
+    return results
+
+
+async def test_long_steps_are_chunked_and_short_steps_go_first() -> None:
+    engine = CountingEngine()
+    loop = BatchingLoop({"lm": engine}, max_batch_tokens=8)
+    calls = [call("prompt", 20), call("d1", 1), call("d2", 1), call("d3", 1)]
+    results = await run_calls(loop, calls)
+    assert results == {
+        "prompt": {"tokens": 20},
+        "d1": {"tokens": 1},
+        "d2": {"tokens": 1},
+        "d3": {"tokens": 1},
+    }
+    # First forward: the three one-token steps, then the prompt with what is left of 8.
+    assert engine.forwards[0] == [("d1", 1), ("d2", 1), ("d3", 1), ("prompt", 5)]
+    assert engine.forwards[1:] == [[("prompt", 8)], [("prompt", 7)]]
+    assert all(sum(b for _, b in f) <= 8 for f in engine.forwards)
+
+
+async def test_batch_size_cap() -> None:
+    engine = CountingEngine()
+    loop = BatchingLoop({"lm": engine}, max_batch_size=3)
+    await run_calls(loop, [call(f"r{i}", 1) for i in range(7)])
+    assert [len(f) for f in engine.forwards] == [3, 3, 1]
+    assert loop.stats.max_batch == 3 and loop.stats.steps == 7
+
+
+async def test_a_failing_forward_fails_its_steps_with_an_engine_error() -> None:
+    engine = CountingEngine()
+    loop = BatchingLoop({"lm": engine})
+    results = await run_calls(loop, [call("bad", 1, fail=True), call("good", 1)])
+    assert isinstance(results["bad"], EngineError)
+    assert str(results["bad"]) == "engine 'lm' failed: ValueError('boom')"
+    assert isinstance(results["bad"].__cause__, ValueError)
+    assert isinstance(results["good"], EngineError)  # the whole forward failed
+
+
+async def test_unknown_engine_is_refused() -> None:
+    loop = BatchingLoop({"lm": CountingEngine()})
+    with pytest.raises(EngineError, match="no engine 'tts' on this worker"):
+        await loop.submit(StepCall("r", "tts", "op", {}))
+
+
+async def test_cancelled_queued_step_leaves_the_queue() -> None:
+    engine = CountingEngine()
+    loop = BatchingLoop({"lm": engine})
+    with anyio.fail_after(10):
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await loop.submit(call("gone", 1))  # never taken: no loop is running
+    assert len(loop._queue) == 0
+    assert engine.forwards == []
+
+
+async def test_release_reaches_every_engine() -> None:
+    a, b = CountingEngine(), CountingEngine()
+    loop = BatchingLoop({"a": a, "b": b})
+    await loop.release("r1")
+    assert a.released == ["r1"] and b.released == ["r1"]
