@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar_async.engines.base import Engine, Step
+from mstar_async.engines.base import WAIT, Engine, Step, StepResult, Wait
 from mstar_async.engines.stateless import StatelessEngine
 
-__all__ = ["Engine", "StatelessEngine", "Step"]
+__all__ = ["WAIT", "Engine", "StatelessEngine", "Step", "StepResult", "Wait"]

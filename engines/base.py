@@ -21,6 +21,24 @@ class Step:
     budget: int = 0
 
 
+class Wait:
+    """The result of a step that could not run for lack of memory: submit it again once
+    another request has released what it holds."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+#: The one ``Wait`` instance engines return.
+WAIT = Wait()
+
+#: What an engine returns for one step: its outputs; ``None`` (progress made, come back);
+#: ``WAIT`` (no memory now); or the exception that failed this step alone.
+StepResult = dict[str, Any] | None | Wait | Exception
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A component that runs batched steps; a worker's batching loop drives it.
@@ -33,15 +51,12 @@ class Engine(Protocol):
         """Tokens ``step`` still needs to finish (1 for a step that is done in one go)."""
         ...
 
-    def forward(self, steps: Sequence[Step]) -> list[dict[str, Any] | None]:
-        """Run one batched forward over ``steps``; one result per step, in order.
-
-        A result is the step's outputs by port name, or ``None`` when the step made progress
-        (or had to wait for memory) and must be submitted again in a later forward.
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        """Run one batched forward over ``steps``; one ``StepResult`` per step, in order.
 
         Raises:
-            EngineError: unknown op, inputs it cannot batch, missing outputs. The error fails
-                every step of this forward.
+            EngineError: unknown op, inputs it cannot batch, missing outputs. A raised error
+                fails every step of this forward; an error returned as a result fails one.
         """
         ...
 
@@ -63,4 +78,4 @@ def group_by_op(steps: Sequence[Step]) -> dict[str, list[int]]:
     return groups
 
 
-__all__ = ["Engine", "Step", "group_by_op", "one_shot_cost"]
+__all__ = ["WAIT", "Engine", "Step", "StepResult", "Wait", "group_by_op", "one_shot_cost"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mstar_async.engines.base import Step, group_by_op
+from mstar_async.engines.base import Step, StepResult, group_by_op
 from mstar_async.errors import EngineError
 
 #: An op: takes batched inputs by port name and returns batched outputs by port name. A tensor
@@ -45,14 +45,14 @@ class StatelessEngine:
         """Every step finishes in one forward."""
         return 1
 
-    def forward(self, steps: Sequence[Step]) -> list[dict[str, Any] | None]:
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
         """Run each op once over all of its steps in ``steps``.
 
         Raises:
             EngineError: an op is unknown, steps disagree on their input names, or an op's
                 outputs do not have one entry per step.
         """
-        results: list[dict[str, Any] | None] = [None] * len(steps)
+        results: list[StepResult] = [None] * len(steps)
         for op, indices in group_by_op(steps).items():
             outputs = self.run_op(op, [steps[i].inputs for i in indices])
             for i, output in zip(indices, outputs, strict=True):

@@ -7,6 +7,7 @@ underscores), converted to the type of that input's default in the model's progr
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -73,8 +74,11 @@ class RunSummary:
     images: list[list[int]] = field(default_factory=list)
 
 
-async def run_request(model: Model, inputs: dict[str, Any]) -> RunSummary:
-    """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs."""
+async def run_request(model: Model, inputs: dict[str, Any], *, echo: bool = False) -> RunSummary:
+    """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs.
+
+    With ``echo``, text is printed to stdout as it is generated.
+    """
     from mstar_async.runtime import open_runtime
 
     summary = RunSummary(model.name)
@@ -84,7 +88,11 @@ async def run_request(model: Model, inputs: dict[str, Any]) -> RunSummary:
             async for item in outputs:
                 if summary.seconds_to_first_output is None:
                     summary.seconds_to_first_output = time.perf_counter() - started
+                if echo and isinstance(item, TextDelta):
+                    print(item.text, end="", flush=True)
                 _account(summary, item)
+        if echo and summary.text:
+            print()
         summary.seconds_total = time.perf_counter() - started
     return summary
 
@@ -110,8 +118,6 @@ def _print(summary: RunSummary, as_json: bool) -> None:
             f"audio: {summary.audio_chunks} chunks, {summary.audio_seconds:.2f} s at "
             f"{summary.sample_rate} Hz"
         )
-    if summary.text:
-        print(f"text: {summary.text}")
     for shape in summary.images:
         print(f"image: {'x'.join(map(str, shape))}")
     if first is not None:
@@ -127,7 +133,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"building {args.model} ...", file=sys.stderr)
         model = build_model(args.model)
         inputs = parse_inputs(model, extra)
-        summary: RunSummary = run_async(run_request, model, inputs)
+        summary: RunSummary = run_async(
+            functools.partial(run_request, echo=not args.json), model, inputs
+        )
     except MstarError as exc:
         print(f"mstar run: {exc}", file=sys.stderr)
         return 2

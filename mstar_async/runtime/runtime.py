@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 
 from mstar_async.conductor import Conductor, RequestStream
+from mstar_async.conductor.conductor import unwrap
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.worker import BatchingLoop
@@ -38,11 +39,15 @@ class Runtime:
 
 
 @asynccontextmanager
-async def open_runtime(model: Model, *, max_batch_size: int = 256) -> AsyncIterator[Runtime]:
+async def open_runtime(
+    model: Model, *, max_batch_size: int = 256, max_batch_tokens: int = 512
+) -> AsyncIterator[Runtime]:
     """Build ``model``'s engines in this process and serve it until the block exits.
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops the batching loop.
+    ``max_batch_size`` and ``max_batch_tokens`` bound one forward of an engine (see
+    ``BatchingLoop``).
 
     Raises:
         Whatever a component factory raises while building its engine.
@@ -50,13 +55,19 @@ async def open_runtime(model: Model, *, max_batch_size: int = 256) -> AsyncItera
     engines = {}
     for name, factory in model.components.items():
         engines[name] = await anyio.to_thread.run_sync(factory)
-    batching = BatchingLoop(engines, max_batch_size=max_batch_size)
+    batching = BatchingLoop(
+        engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens
+    )
     log.info("runtime.open", model=model.name, engines=sorted(engines))
-    async with anyio.create_task_group() as tg:
-        await tg.start(batching.run)
-        try:
-            async with Conductor(model, batching) as conductor:
-                yield Runtime(model, batching, conductor)
-        finally:
-            tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(batching.run)
+            try:
+                async with Conductor(model, batching) as conductor:
+                    yield Runtime(model, batching, conductor)
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The caller's own exception, not a group our task groups wrapped around it.
+        raise unwrap(group) from None
     log.info("runtime.close", model=model.name)

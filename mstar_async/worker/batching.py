@@ -20,19 +20,20 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from mstar_async.engines import Engine, Step
+from mstar_async.engines import WAIT, Engine, Step, StepResult
 from mstar_async.errors import EngineError, MstarError
 from mstar_async.transport import StepCall
 
 
 class _Pending:
-    __slots__ = ("done", "engine", "error", "result", "step", "taken")
+    __slots__ = ("done", "engine", "error", "outcome", "result", "step", "taken")
 
     def __init__(self, engine: str, step: Step) -> None:
         self.engine = engine
         self.step = step
         self.done = anyio.Event()
         self.taken = False
+        self.outcome: StepResult = None
         self.result: dict[str, Any] | None = None
         self.error: BaseException | None = None
 
@@ -83,6 +84,7 @@ class BatchingLoop:
         self.settle_rounds = settle_rounds
         self.stats = BatchStats()
         self._queue: deque[_Pending] = deque()
+        self._parked: list[_Pending] = []  # waiting for KV memory until a request releases
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
 
@@ -106,7 +108,10 @@ class BatchingLoop:
             await pending.done.wait()
         except BaseException:
             if not pending.taken:
-                self._queue.remove(pending)
+                if pending in self._parked:
+                    self._parked.remove(pending)
+                else:
+                    self._queue.remove(pending)
             raise
         if pending.error is not None:
             raise pending.error
@@ -121,6 +126,10 @@ class BatchingLoop:
         """
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._release, request_id, limiter=self._limiter)
+        if self._parked:
+            self._queue.extendleft(reversed(self._parked))
+            self._parked.clear()
+            self._wake.set()
 
     def _release(self, request_id: str) -> None:
         for engine in self.engines.values():
@@ -196,22 +205,27 @@ class BatchingLoop:
                     f"engine {name!r} returned {len(results)} results for {len(group)} steps"
                 )
         except Exception as exc:
-            for pending in group:
-                pending.error = _engine_error(name, exc)
-            return
-        for pending, result in zip(group, results, strict=True):
-            pending.result = result
+            results = [exc] * len(group)
+        for pending, outcome in zip(group, results, strict=True):
+            pending.outcome = outcome
 
     def _resolve(self, batches: dict[str, list[_Pending]]) -> None:
-        unfinished: list[_Pending] = []
-        for group in batches.values():
+        again: list[_Pending] = []
+        for name, group in batches.items():
+            stalled = bool(group) and all(p.outcome is WAIT for p in group)
             for pending in group:
-                if pending.error is None and pending.result is None:
-                    pending.taken = False
-                    unfinished.append(pending)
+                outcome, pending.outcome = pending.outcome, None
+                if isinstance(outcome, dict):
+                    pending.result = outcome
+                elif isinstance(outcome, Exception):
+                    pending.error = _engine_error(name, outcome)
                 else:
-                    pending.done.set()
-        self._queue.extendleft(reversed(unfinished))
+                    pending.taken = False
+                    # Nothing at all could run: wait for a release instead of spinning.
+                    (self._parked if stalled else again).append(pending)
+                    continue
+                pending.done.set()
+        self._queue.extendleft(reversed(again))
 
 
 def _engine_error(name: str, exc: Exception) -> BaseException:

@@ -1,0 +1,285 @@
+"""``KVCacheEngine``: a decoder LM on a paged KV cache, with chunked prefill and sampling.
+
+One progress rule drives every step: a sequence has tokens whose KV is not computed yet
+(``pending``); a forward computes up to the step's token budget of them, and when none are left
+it samples the next token. A prompt is a prefill step with many pending tokens (split over
+forwards when it exceeds the budget); a decode step has exactly one, the token sampled last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from mstar_async.engines.base import WAIT, Step, StepResult
+from mstar_async.engines.kv import (
+    AttentionSpec,
+    BatchLayout,
+    PagedKVAllocator,
+    PagedKVCache,
+    blocks_for_budget,
+    select_attention_backend,
+)
+from mstar_async.engines.sampling import SamplingParams, make_generator, sample
+from mstar_async.errors import EngineError, KVCacheFull
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class PagedModel(Protocol):
+    """What the engine needs of a model: a flat-batch forward through ``attention``, and logits."""
+
+    def forward(self, input_ids: torch.Tensor, attention: Any) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class StepAttention:
+    """The attention seam for one forward: stores each layer's new K/V, then attends paged."""
+
+    def __init__(self, cache: PagedKVCache, backend: Any, meta: Any) -> None:
+        self.cache = cache
+        self.backend = backend
+        self.meta = meta
+        self.positions: torch.Tensor = meta.positions
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        out: torch.Tensor = self.backend.forward(
+            q, self.cache.key(layer), self.cache.value(layer), self.meta
+        )
+        return out
+
+
+@dataclass
+class _Sequence:
+    params: SamplingParams
+    generator: torch.Generator | None
+    pending: list[int] = field(default_factory=list)
+    prefill: Step | None = None  # the prefill step being computed, so a resubmit is not re-added
+
+
+def _token_list(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [int(t) for t in value.reshape(-1).tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(t) for t in value]
+
+
+class KVCacheEngine:
+    """Runs ``prefill`` and ``decode`` steps of many requests in one forward each.
+
+    Ops (inputs -> outputs):
+
+    - ``prefill``: ``tokens`` (1-D tensor or list of ids), optional ``sampling``
+      (``SamplingParams``) -> ``token`` (the sampled next id, a 0-dim long tensor). A second
+      prefill of the same request appends to its sequence (multi-turn, or image then text).
+    - ``decode``: ``token`` (the last sampled id) -> ``token``.
+
+    KV capacity comes from ``kv_cache_bytes`` (or ``num_blocks``). When the pool cannot hold a
+    step, the step waits (the loop resubmits it) while others make progress; a forward in which
+    nothing fits raises ``KVCacheFull``. ``compile`` wraps the model's forward in
+    ``torch.compile`` (a backend name, or True for the default); off by default.
+
+    Raises:
+        ValueError: neither or both of ``kv_cache_bytes`` and ``num_blocks`` are given.
+    """
+
+    def __init__(
+        self,
+        model: PagedModel,
+        spec: AttentionSpec,
+        *,
+        num_layers: int,
+        kv_cache_bytes: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        backend: str = "auto",
+        compile: bool | str = False,
+    ) -> None:
+        if (kv_cache_bytes is None) == (num_blocks is None):
+            raise ValueError("KVCacheEngine: give exactly one of kv_cache_bytes and num_blocks")
+        self.device = torch.device(device)
+        self.spec = spec
+        if num_blocks is None:
+            assert kv_cache_bytes is not None
+            num_blocks = blocks_for_budget(
+                kv_cache_bytes,
+                num_layers=num_layers,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                block_size=block_size,
+                dtype_bytes=torch.finfo(spec.dtype).bits // 8,
+            )
+        self.allocator = PagedKVAllocator(num_blocks, block_size)
+        self.cache = PagedKVCache(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
+        self.model = model
+        self._forward = _maybe_compile(model.forward, compile)
+        self._sequences: dict[str, _Sequence] = {}
+
+    @property
+    def blocks_in_use(self) -> int:
+        """KV blocks held by live sequences."""
+        return self.allocator.num_used_blocks
+
+    def cost(self, step: Step) -> int:
+        """Tokens the step still has to compute: its prompt (what is left of it), or 1."""
+        seq = self._sequences.get(step.request_id)
+        if step.op == "prefill":
+            if seq is not None and seq.prefill is step:
+                return max(1, len(seq.pending))
+            return max(1, len(_token_list(step.inputs["tokens"])))
+        return 1
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        """Compute the pending tokens of every step that fits in the KV cache in one model
+        forward, then sample for each step that has none left.
+
+        A step that does not fit now gets ``WAIT``; one that could never fit (or that is
+        preempted because every request holding memory is itself waiting for more) gets a
+        ``KVCacheFull`` result, which fails that request alone.
+
+        Raises:
+            EngineError: an unknown op, a decode for a request that never prefilled, a step
+                without tokens.
+        """
+        work = [self._admit_tokens(step) for step in steps]
+        admitted, results = self._fit(steps, work)
+        if admitted:
+            with torch.inference_mode():
+                sampled = self._run(steps, work, admitted)
+            for i, token in sampled.items():
+                results[i] = {"token": token}
+        return results
+
+    def release(self, request_id: str) -> None:
+        """Free the request's KV blocks and sampling state; idempotent."""
+        self._sequences.pop(request_id, None)
+        if self.allocator.has(request_id):
+            self.allocator.free(request_id)
+
+    def _admit_tokens(self, step: Step) -> list[int]:
+        """The tokens this step computes now (its budget's worth of its pending tokens)."""
+        seq = self._sequence_for(step)
+        if step.op == "prefill" and seq.prefill is not step:
+            tokens = _token_list(step.inputs["tokens"])
+            if not tokens:
+                raise EngineError(f"request {step.request_id}: prefill got no tokens")
+            seq.pending.extend(tokens)
+            seq.prefill = step
+        elif step.op == "decode":
+            seq.pending = _token_list(step.inputs["token"])
+        budget = step.budget or len(seq.pending)
+        return seq.pending[:budget]
+
+    def _sequence_for(self, step: Step) -> _Sequence:
+        seq = self._sequences.get(step.request_id)
+        if seq is not None:
+            return seq
+        if step.op == "decode":
+            raise EngineError(
+                f"request {step.request_id}: decode before prefill; run prefill first"
+            )
+        if step.op != "prefill":
+            raise EngineError(f"KVCacheEngine has no op {step.op!r}; ops: prefill, decode")
+        params = step.inputs.get("sampling") or GREEDY
+        seq = _Sequence(params, make_generator(params.seed, self.device))
+        self._sequences[step.request_id] = seq
+        self.allocator.add(step.request_id)
+        return seq
+
+    def _fit(
+        self, steps: Sequence[Step], work: list[list[int]]
+    ) -> tuple[list[int], list[StepResult]]:
+        """Which steps run now (all, usually), and the results of those that cannot."""
+        results: list[StepResult] = [None] * len(steps)
+        wanted: dict[Hashable, int] = {
+            s.request_id: len(w) for s, w in zip(steps, work, strict=True)
+        }
+        if self.allocator.can_append_batch(wanted):
+            return list(range(len(steps))), results
+        admitted: list[int] = []
+        chosen: dict[Hashable, int] = {}
+        for i, step in enumerate(steps):
+            trial = {**chosen, step.request_id: len(work[i])}
+            if self.allocator.can_append_batch(trial):
+                chosen, admitted = trial, [*admitted, i]
+            else:
+                results[i] = self._wait_or_fail(step)
+        if not admitted:
+            self._preempt_if_stuck(steps, results)
+        return admitted, results
+
+    def _wait_or_fail(self, step: Step) -> StepResult:
+        capacity = self.allocator.num_blocks * self.allocator.block_size
+        seq = self._sequences[step.request_id]
+        total = self.allocator.num_tokens(step.request_id) + len(seq.pending)
+        if total <= capacity:
+            return WAIT
+        return KVCacheFull(
+            f"request {step.request_id} needs KV for {total} tokens but the whole cache holds "
+            f"{capacity}; give the engine a larger kv_cache_bytes or send a shorter prompt"
+        )
+
+    def _preempt_if_stuck(self, steps: Sequence[Step], results: list[StepResult]) -> None:
+        # Every request holding KV memory is here waiting for more: nobody will free any, so
+        # the newest waiting request gives way.
+        holders = {s for s in self.allocator.seq_ids() if self.allocator.num_tokens(s) > 0}
+        waiting = [i for i, r in enumerate(results) if r is WAIT]
+        if waiting and holders <= {s.request_id for s in steps}:
+            victim = waiting[-1]
+            results[victim] = KVCacheFull(
+                f"request {steps[victim].request_id} was preempted: the KV cache "
+                f"({self.allocator.num_blocks} blocks) is exhausted by requests that all need "
+                "more; give the engine a larger kv_cache_bytes or lower the concurrency"
+            )
+
+    def _run(
+        self, steps: Sequence[Step], work: list[list[int]], admitted: list[int]
+    ) -> dict[int, torch.Tensor]:
+        plans = self.allocator.append_batch({steps[i].request_id: len(work[i]) for i in admitted})
+        self.cache.copy_blocks([c for plan in plans for c in plan.copies])
+        meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
+        flat = [t for i in admitted for t in work[i]]
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        hidden = self._forward(input_ids, StepAttention(self.cache, self.backend, meta))
+        finishing: list[int] = []
+        rows: list[int] = []
+        end = 0
+        for i in admitted:
+            seq = self._sequences[steps[i].request_id]
+            end += len(work[i])
+            del seq.pending[: len(work[i])]
+            if not seq.pending:
+                seq.prefill = None
+                finishing.append(i)
+                rows.append(end - 1)
+        if not finishing:
+            return {}
+        logits = self.model.compute_logits(hidden[rows]).float()
+        seqs = [self._sequences[steps[i].request_id] for i in finishing]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return {i: tokens[k] for k, i in enumerate(finishing)}
+
+
+def _maybe_compile(fn: Any, compile: bool | str) -> Any:
+    if not compile:
+        return fn
+    backend = compile if isinstance(compile, str) else "inductor"
+    return torch.compile(fn, backend=backend, dynamic=True)

@@ -1,0 +1,173 @@
+"""``causal-lm``: text generation from any Llama/Qwen2 checkpoint folder (default: SmolLM2).
+
+Two walks: ``prefill`` computes the prompt's KV and samples the first token; ``decode`` is a
+``DynamicLoop`` of single-token steps that each request leaves on its own (a stop token, or its
+``max_tokens``). The sampled token of ``prefill`` reaches ``decode`` along an edge of the graph,
+kept in the request's state between the two walks. Tokens become text through an incremental
+detokenizer, so multi-byte characters split across tokens arrive whole.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_async.engines.kv_engine import KVCacheEngine
+from mstar_async.engines.sampling import SamplingParams
+from mstar_async.graph import DynamicLoop, Edge, LoopStep, Model, Node, Walk
+from mstar_async.models.checkpoints import (
+    ChatTokenizer,
+    IncrementalDecoder,
+    load_checkpoint,
+    smollm2_folder,
+)
+from mstar_async.models.llama import PagedDecoder
+from mstar_async.models.registry import register
+from mstar_async.outputs import TextDelta
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def build_lm_engine(
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    kv_cache_bytes: int,
+    device: str,
+    compile: bool | str,
+) -> KVCacheEngine:
+    """Load the checkpoint in ``folder`` onto ``device`` and wrap it in a ``KVCacheEngine``.
+
+    Raises:
+        CheckpointError: a file of the folder is missing or unreadable.
+    """
+    checkpoint = load_checkpoint(folder)
+    model = PagedDecoder.from_checkpoint(
+        checkpoint.config, checkpoint.state_dict, dtype=dtype, device=device
+    )
+    return KVCacheEngine(
+        model,
+        model.attention_spec(dtype),
+        num_layers=model.config.num_hidden_layers,
+        kv_cache_bytes=kv_cache_bytes,
+        device=device,
+        compile=compile,
+    )
+
+
+def _until(stop_ids: frozenset[int]) -> Callable[[LoopStep], bool]:
+    def until(step: LoopStep) -> bool:
+        # The prefill already produced one token, so decode makes max_tokens - 1 at most.
+        done = step.iteration + 2 >= int(step.params["max_tokens"])
+        return done or int(step.outputs["decode.token"]) in step.params.get("stop_ids", stop_ids)
+
+    return until
+
+
+def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None]]:
+    async def program(
+        request: Any,
+        prompt: str = "",
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        chat: bool = False,
+    ) -> AsyncGenerator[Any, None]:
+        # A prompt is continued as written (a completion); messages, or chat=True, go through
+        # the checkpoint's chat template (a chat completion).
+        if messages is not None or chat:
+            conversation = messages or [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(conversation)
+        else:
+            text = prompt
+        stop_ids = tokenizer.eos_token_ids
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+        )
+        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        detok = IncrementalDecoder(tokenizer)
+        first = (await request.run("prefill", tokens=ids, sampling=sampling))["token"]
+        if int(first) in stop_ids:
+            return
+        if delta := detok.push(int(first)):
+            yield TextDelta(delta)
+        if max_tokens > 1:
+            params = {"max_tokens": max_tokens, "stop_ids": stop_ids}
+            async with request.stream("decode", params=params) as tokens:
+                async for event in tokens:
+                    token = int(event.value)
+                    if token in stop_ids:
+                        break
+                    if delta := detok.push(token):
+                        yield TextDelta(delta)
+        if tail := detok.finish():
+            yield TextDelta(tail)
+
+    return program
+
+
+@register("causal-lm", "a Llama/Qwen2 checkpoint folder (default SmolLM2-135M-Instruct) for text")
+def build_causal_lm(
+    path: str | Path | None = None,
+    *,
+    dtype: str = "bfloat16",
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    device: str = "cpu",
+    compile: bool | str = False,
+    max_iterations: int = 4096,
+) -> Model:
+    """Build the text-generation model over the checkpoint folder ``path`` (SmolLM2 if None).
+
+    The tokenizer loads here; the weights load when the engine is built on its worker.
+
+    Raises:
+        CheckpointError: the folder lacks a file it needs (the message names it).
+        ValueError: ``dtype`` is not bfloat16, float16 or float32.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    folder = Path(path) if path is not None else smollm2_folder()
+    tokenizer = ChatTokenizer.from_folder(folder)
+    nodes = [
+        Node("prefill", engine="lm", inputs=["tokens", "sampling"], outputs=["token"]),
+        Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
+    ]
+    decode = DynamicLoop(
+        "decode",
+        until=_until(tokenizer.eos_token_ids),
+        max_iterations=max_iterations,
+        carry={"decode.token": "decode.token"},
+    )
+    factory = functools.partial(
+        build_lm_engine,
+        folder,
+        dtype=_DTYPES[dtype],
+        kv_cache_bytes=kv_cache_bytes,
+        device=device,
+        compile=compile,
+    )
+    return Model(
+        "causal-lm",
+        nodes=nodes,
+        edges=[Edge("prefill.token", "decode.token")],
+        walks=[
+            Walk("prefill", "prefill", outputs=["prefill.token"]),
+            Walk("decode", decode, outputs=["decode.token"]),
+        ],
+        program=_program(tokenizer),
+        components={"lm": factory},
+        description=f"text generation from {folder}",
+    )

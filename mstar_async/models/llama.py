@@ -1,0 +1,666 @@
+"""A Llama / Qwen2-family decoder that keeps its K/V in a paged cache owned by someone else.
+
+The module never sees blocks, slots or sequence boundaries. Everything about paging goes
+through one seam, :class:`PagedAttention`: the caller (the KV-cache engine) plans a step, hands
+the module an object that knows each query token's position, and that object attends each
+layer's rotated ``q`` over its sequence's cached keys after storing this step's ``k`` / ``v``.
+
+One step, as the engine drives it::
+
+    attention = ...                                # planned for this step's flat batch
+    hidden = decoder(input_ids, attention)         # [num_tokens, hidden], final norm applied
+    logits = decoder.compute_logits(hidden[rows])  # only the rows that are sampled
+
+Parameter names match Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` exactly, so
+their state dicts load unchanged (:meth:`PagedDecoder.from_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_async.engines.kv import AttentionSpec
+from mstar_async.errors import EngineError
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "DecoderConfig",
+    "PagedAttention",
+    "PagedDecoder",
+    "RopeConfig",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Hugging Face's fallback when a config names no rope base (``default_theta``).
+_DEFAULT_ROPE_THETA = 10_000.0
+
+# Keys older checkpoints saved for a buffer that is recomputed, never learned; Hugging Face
+# skips them on load, and so do we.
+_IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class PagedAttention(Protocol):
+    """The only way :class:`PagedDecoder` touches the KV cache; implemented by the engine.
+
+    ``positions`` is ``[num_tokens]`` int64 on the model's device: the absolute position of
+    each query token in its own sequence (used for rotary embeddings). Calling the object
+    with ``(layer, q, k, v)`` — ``q`` ``[num_tokens, num_heads, head_dim]`` and ``k`` / ``v``
+    ``[num_tokens, num_kv_heads, head_dim]``, rotary already applied to ``q`` and ``k`` — must
+    store ``k`` / ``v`` for ``layer`` and return ``[num_tokens, num_heads, head_dim]``: causal
+    attention of each query over its sequence's cached keys, this step's included.
+    """
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of each query token, ``[num_tokens]`` int64."""
+        ...
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``k`` / ``v`` for ``layer`` and attend ``q`` over the cached keys."""
+        ...
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    Attributes:
+        theta: base wavelength.
+        rope_type: ``"default"`` (no scaling), ``"linear"`` or ``"llama3"``.
+        factor: frequency divisor (``linear`` and ``llama3``); 1.0 for ``default``.
+        low_freq_factor: ``llama3`` only.
+        high_freq_factor: ``llama3`` only.
+        original_max_position_embeddings: ``llama3`` only: the pretraining context length.
+    """
+
+    theta: float = _DEFAULT_ROPE_THETA
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        """Check the parameters.
+
+        Raises:
+            ValueError: an unsupported ``rope_type``, or a parameter out of range.
+        """
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {self.rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if not (math.isfinite(self.theta) and self.theta > 0):
+            raise ValueError(f"rope_theta must be a positive finite number, got {self.theta!r}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"rope factor must be a positive finite number, got {self.factor!r}")
+        if self.rope_type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ValueError(
+                    "llama3 rope needs 0 < low_freq_factor < high_freq_factor, got "
+                    f"{self.low_freq_factor!r} and {self.high_freq_factor!r}"
+                )
+            if self.original_max_position_embeddings < 1:
+                raise ValueError(
+                    "original_max_position_embeddings must be >= 1, got "
+                    f"{self.original_max_position_embeddings!r}"
+                )
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Return the ``[head_dim // 2]`` float32 inverse frequencies, scaled per ``rope_type``.
+
+        Follows the formulas of Hugging Face's rope initialisers, in float32 as they compute.
+        """
+        # An explicit CPU device: the module may be built under a ``torch.device("meta")``
+        # context, and these frequencies must be real numbers.
+        steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+        exponents = steps.to(torch.float32) / head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            # Long wavelengths (beyond the pretraining context) are slowed by ``factor``, short
+            # ones are kept, and the band in between is blended smoothly.
+            old_len = self.original_max_position_embeddings
+            low_freq_wavelen = old_len / self.low_freq_factor
+            high_freq_wavelen = old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+            return torch.where(medium, blended, scaled)
+        return inv_freq
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Shape and options of a Llama / Qwen2 decoder; build it with :meth:`from_hf`.
+
+    Attributes:
+        model_type: ``"llama"`` or ``"qwen2"``.
+        qkv_bias: q/k/v projections have a bias (Qwen2 always; Llama when ``attention_bias``).
+        o_bias: the output projection has a bias (Llama ``attention_bias``; never Qwen2).
+        mlp_bias: gate/up/down projections have a bias (Llama ``mlp_bias``).
+        eos_token_ids: every end-of-sequence id the config lists (may be empty).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        """Check sizes and head counts.
+
+        Raises:
+            ValueError: an unsupported ``model_type``, a size that is not a positive int,
+                ``num_attention_heads`` not a multiple of ``num_key_value_heads``, an odd
+                ``head_dim``, or a non-positive ``rms_norm_eps``.
+        """
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
+        """Build from a Hugging Face ``config.json`` dict (``LlamaForCausalLM`` or
+        ``Qwen2ForCausalLM``).
+
+        Reads rope settings from ``rope_parameters`` (transformers 5) or from ``rope_theta`` plus
+        ``rope_scaling`` (older files), whichever are present.
+
+        Raises:
+            ValueError: an unsupported ``model_type``, rope type, activation, partial rotary
+                factor or sliding-window attention; a missing required key; or a value out of
+                range.
+        """
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        if model_type == "qwen2" and _uses_sliding_window(config):
+            raise ValueError(
+                "Qwen2 sliding-window attention is not supported (use_sliding_window / "
+                "layer_types name sliding_attention); supported: full attention only"
+            )
+
+        def need(key: str) -> Any:
+            if key not in config:
+                raise ValueError(f"{model_type} config is missing required key {key!r}")
+            return config[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        if model_type == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        else:
+            attention_bias = bool(config.get("attention_bias", False))
+            qkv_bias = o_bias = attention_bias
+            mlp_bias = bool(config.get("mlp_bias", False))
+        max_pos = int(config.get("max_position_embeddings", 2048))
+        eos = config.get("eos_token_id")
+        eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        bos = config.get("bos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(config, max_pos),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(int(e) for e in eos_list),
+        )
+
+
+def _uses_sliding_window(config: Mapping[str, Any]) -> bool:
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    # Upstream's default window is 4096 when the key is absent; None turns sliding off.
+    if not config.get("use_sliding_window", False) or config.get("sliding_window", 4096) is None:
+        return False
+    # Upstream slides only layers at or past ``max_window_layers``.
+    return int(config.get("max_window_layers", 28)) < int(config.get("num_hidden_layers", 0))
+
+
+def _rope_from_hf(config: Mapping[str, Any], max_pos: int) -> RopeConfig:
+    params: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key} must be a dict, got {value!r}")
+        if "rope_type" not in value and "type" not in value and "rope_theta" not in value:
+            raise ValueError(
+                f"{key} looks nested per layer type ({sorted(value)}); supported: one global "
+                "rope setting"
+            )
+        params.update(value)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial!r}; supported: 1.0")
+    theta = params.get("rope_theta", config.get("rope_theta")) or _DEFAULT_ROPE_THETA
+
+    def need(key: str) -> Any:
+        if key not in params:
+            raise ValueError(f"rope type {rope_type!r} needs {key!r} in its rope parameters")
+        return params[key]
+
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), rope_type="linear", factor=float(need("factor")))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=float(theta),
+            rope_type="llama3",
+            factor=float(need("factor")),
+            low_freq_factor=float(need("low_freq_factor")),
+            high_freq_factor=float(need("high_freq_factor")),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", max_pos)
+            ),
+        )
+    return RopeConfig(theta=float(theta))
+
+
+# ---------------------------------------------------------------------------------- layers
+
+
+class _Linear(nn.Linear):
+    # Weights always come from a checkpoint or from ``random``'s seeded draw; skipping the
+    # default init also keeps meta-device construction from importing torch's compiler stack.
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the activation dtype, then back, then the gain: the
+        # order Hugging Face uses, so bf16 results round the same way.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate-half convention: dimension i pairs with i + head_dim/2. ``cos``/``sin`` are
+    # [num_tokens, 1, head_dim/2] and broadcast over heads.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = _Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = _Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = _Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = _Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: PagedAttention,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = attention(layer, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        want = (n, self.num_heads, self.head_dim)
+        if tuple(out.shape) != want:
+            raise EngineError(f"attention returned shape {tuple(out.shape)}, expected {want}")
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return projected
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: PagedAttention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.index, self.input_layernorm(x), cos, sin, attention)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class _Model(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# ---------------------------------------------------------------------------------- decoder
+
+
+class PagedDecoder(nn.Module):
+    """A Llama / Qwen2 causal LM over a flat, unpadded batch, attending through a
+    :class:`PagedAttention`.
+
+    Submodules are named as in Hugging Face (``model.embed_tokens``, ``model.layers.{i}...``,
+    ``model.norm``, ``lm_head``), so its state dict is theirs. With tied embeddings
+    ``lm_head.weight`` *is* ``model.embed_tokens.weight``.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        """Build the module with default-initialised weights (use :meth:`from_checkpoint` or
+        :meth:`random` for real or seeded ones)."""
+        super().__init__()
+        self.config = config
+        self.model = _Model(config)
+        self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._tie()
+        # Plain attributes, not buffers: ``.to(bfloat16)`` must not round the frequencies, and
+        # they must not appear in the state dict.
+        self._inv_freq = config.rope.inv_freq(config.head_dim)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def _tie(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        config: Mapping[str, Any],
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> PagedDecoder:
+        """Build from a Hugging Face ``config.json`` dict and its state dict, strictly.
+
+        With tied embeddings ``lm_head.weight`` may be absent (and is ignored if present: the
+        head is the embedding, as upstream). ``*rotary_emb.inv_freq`` keys from old checkpoints
+        are ignored. Weights are cast to ``dtype`` and placed on ``device``.
+
+        Raises:
+            ValueError: the config is unsupported or invalid (see :meth:`DecoderConfig.from_hf`);
+                ``dtype`` is not a floating type; or keys are missing or unexpected, or shapes
+                differ (the message lists them).
+        """
+        cfg = DecoderConfig.from_hf(config)
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        model = cls._empty(cfg, dtype, device)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+        if cfg.tie_word_embeddings:
+            del expected["lm_head.weight"]
+        given = {
+            k: v
+            for k, v in state_dict.items()
+            if not k.endswith(_IGNORED_KEY_SUFFIXES)
+            and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+        }
+        missing = sorted(set(expected) - set(given))
+        unexpected = sorted(set(given) - set(expected))
+        wrong = sorted(
+            f"{k}: checkpoint {tuple(given[k].shape)}, model {expected[k]}"
+            for k in set(given) & set(expected)
+            if tuple(given[k].shape) != expected[k]
+        )
+        if missing or unexpected or wrong:
+            parts = []
+            if missing:
+                parts.append(f"missing keys {missing}")
+            if unexpected:
+                parts.append(f"unexpected keys {unexpected}")
+            if wrong:
+                parts.append(f"shape mismatches {wrong}")
+            raise ValueError(
+                f"state dict does not match a {cfg.model_type} decoder with this config: "
+                + "; ".join(parts)
+            )
+        with torch.no_grad():
+            model.load_state_dict(given, strict=False)
+        model.eval()
+        return model
+
+    @classmethod
+    def random(
+        cls,
+        config: DecoderConfig,
+        seed: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> PagedDecoder:
+        """Build with seeded random weights, without touching the global RNG.
+
+        Weights and embeddings are ``N(0, 1/fan_in)``-scaled so activations stay ``O(1)`` and
+        attention is not uniform; biases ``N(0, 0.02)``; norm gains ``1 + N(0, 0.1)``. The same
+        ``(config, seed)`` gives the same weights on every device (drawn on the CPU in float32,
+        then cast).
+
+        Raises:
+            ValueError: ``dtype`` is not a floating type.
+        """
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        model = cls._empty(config, torch.float32, "cpu")
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.1, generator=gen)
+                elif name.endswith("bias"):
+                    param.normal_(0.0, 0.02, generator=gen)
+                else:
+                    param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
+        model = model.to(device=device, dtype=dtype)
+        model._tie()
+        return model.eval()
+
+    @classmethod
+    def _empty(
+        cls, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str
+    ) -> PagedDecoder:
+        # Build on the meta device and then allocate uninitialised storage: default
+        # initialisation of a multi-billion-parameter model would take minutes for nothing.
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model._tie()
+        return model
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers (the ``layer`` indices the attention is called with)."""
+        return self.config.num_hidden_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights (and of activations, q/k/v and the logits)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.model.embed_tokens.weight.device
+
+    def attention_spec(self, dtype: torch.dtype | None = None) -> AttentionSpec:
+        """Return the :class:`AttentionSpec` for a cache and backend serving this model.
+
+        ``dtype`` defaults to the weights' dtype, which is the dtype of ``q`` / ``k`` / ``v``.
+        The softmax scale is the default ``1 / sqrt(head_dim)``, as upstream.
+        """
+        cfg = self.config
+        return AttentionSpec(
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype if dtype is None else dtype,
+        )
+
+    # ------------------------------------------------------------------ running
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Return ``(cos, sin)``, each ``[num_tokens, 1, head_dim // 2]`` in ``dtype``.
+
+        Computed in float32 as ``position * inv_freq`` and then cast, as upstream does, so
+        results match it bit for bit; computing them per step (one small elementwise op shared
+        by every layer) needs no table and no host sync to size one.
+        """
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq.to(positions.device)
+            self._inv_freq_on[positions.device] = inv_freq
+        freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+    def forward(self, input_ids: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
+        """Run every layer over a flat batch; return ``[num_tokens, hidden]`` after the final norm.
+
+        ``input_ids`` is ``[num_tokens]`` (all sequences' new tokens concatenated, as the
+        attention was planned); positions come from ``attention.positions``.
+
+        Raises:
+            EngineError: ``input_ids`` is not 1-D integer, ``attention.positions`` does not
+                have one entry per token, or the attention returns a wrongly shaped tensor.
+        """
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise EngineError(
+                f"input_ids must be a 1-D int64 tensor, got {tuple(input_ids.shape)} "
+                f"{input_ids.dtype}"
+            )
+        positions = attention.positions
+        if tuple(positions.shape) != tuple(input_ids.shape):
+            raise EngineError(
+                f"attention.positions has shape {tuple(positions.shape)}, input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        out: torch.Tensor = self.model.norm(x)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project normed hidden states ``[n, hidden]`` (from :meth:`forward`) to ``[n, vocab]``
+        logits, in the weights' dtype."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits

@@ -1,0 +1,218 @@
+"""causal-lm through the runtime: parity with transformers, batching, chunked prefill, KV memory."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from mstar_async.errors import KVCacheFull, RequestError
+from mstar_async.models.causal_lm import build_causal_lm
+from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.outputs import TextDelta
+from mstar_async.runtime import open_runtime
+from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_hf_folder
+
+PROMPTS = [
+    "The capital of France is",
+    "def main():",
+    "héllo wörld, naïve café! 12345 apples and 678 pears. It's what they're saying",
+    "we'll see",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = train_tokenizer("gpt2")
+    model = make_llama(tokenizer.get_vocab_size(), tied=False, seed=3)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
+    return folder
+
+
+async def generate_text(runtime: Any, **inputs: Any) -> str:
+    with anyio.fail_after(60):
+        async with runtime.generate(**inputs) as outputs:
+            return "".join([item.text async for item in outputs if isinstance(item, TextDelta)])
+
+
+def transformers_greedy(folder: Path, prompt: str, max_new_tokens: int) -> str:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = ChatTokenizer.from_folder(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(tokenizer.eos_token_ids),
+        pad_token_id=0,
+    )
+    new = [t for t in out[0, ids.shape[1] :].tolist() if t not in tokenizer.eos_token_ids]
+    return tokenizer.decode(new)
+
+
+@pytest.mark.anyio
+async def test_greedy_text_matches_transformers(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    async with open_runtime(model) as runtime:
+        for prompt in PROMPTS[:2]:
+            ours = await generate_text(runtime, prompt=prompt, max_tokens=32)
+            assert ours == transformers_greedy(tiny_folder, prompt, 32)
+
+
+@pytest.mark.anyio
+async def test_concurrent_requests_batch_and_match_requests_alone(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    requests = [dict(prompt=p, max_tokens=8 + 5 * i) for i, p in enumerate(PROMPTS)] * 2
+    async with open_runtime(model) as runtime:
+        alone = [await generate_text(runtime, **r) for r in requests]
+        together: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            together[i] = await generate_text(runtime, **requests[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(requests)):
+                tg.start_soon(one, i)
+        assert runtime.batching.stats.max_batch > 1
+        assert runtime.batching.engines["lm"].blocks_in_use == 0
+    assert [together[i] for i in range(len(requests))] == alone
+
+
+@pytest.mark.anyio
+async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(tiny_folder: Path) -> None:
+    long_prompt = " ".join(PROMPTS * 3)
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    async with open_runtime(model) as runtime:
+        expected = await generate_text(runtime, prompt=long_prompt, max_tokens=12)
+    async with open_runtime(model, max_batch_tokens=16) as runtime:
+        engine = runtime.batching.engines["lm"]
+        costs: list[list[int]] = []
+        forward = engine.forward
+
+        def recording_forward(steps: Any) -> Any:
+            costs.append([s.budget for s in steps])
+            return forward(steps)
+
+        engine.forward = recording_forward
+        results: dict[str, str] = {}
+        short_started = anyio.Event()
+
+        async def short() -> None:
+            async with runtime.generate(prompt="we", max_tokens=40) as outputs:
+                text = []
+                async for item in outputs:
+                    short_started.set()
+                    text.append(item.text)
+            results["short"] = "".join(text)
+
+        async def long() -> None:
+            await short_started.wait()
+            results["long"] = await generate_text(runtime, prompt=long_prompt, max_tokens=12)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(short)
+                tg.start_soon(long)
+    assert results["long"] == expected
+    assert all(sum(c) <= 16 for c in costs)
+    # While the long prompt was being prefilled in chunks, the short request kept decoding.
+    mixed = [c for c in costs if len(c) == 2 and 1 in c and max(c) > 1]
+    assert len(mixed) >= 3
+
+
+@pytest.mark.anyio
+async def test_kv_blocks_return_to_the_pool_after_finish_and_cancel(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    async with open_runtime(model) as runtime:
+        engine = runtime.batching.engines["lm"]
+        await generate_text(runtime, prompt=PROMPTS[2], max_tokens=10)
+        assert engine.blocks_in_use == 0
+        with anyio.fail_after(30):
+            async with runtime.generate(prompt=PROMPTS[2], max_tokens=500) as outputs:
+                await outputs.__anext__()
+                assert engine.blocks_in_use > 0
+        assert engine.blocks_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_full_pool_makes_requests_wait_and_an_impossible_one_fail(
+    tiny_folder: Path,
+) -> None:
+    # 6 blocks of 16 tokens (block bytes: layers * (k, v) * kv_heads * head_dim * 16 * fp32):
+    # each request below needs several blocks, so they cannot all run at once.
+    blocks, per_block = 6, 2 * 2 * 2 * 16 * 16 * 4
+    model = build_causal_lm(tiny_folder, dtype="float32", kv_cache_bytes=blocks * per_block)
+    async with open_runtime(model) as runtime:
+        alone = await generate_text(runtime, prompt=PROMPTS[2], max_tokens=20)
+        results = []
+
+        async def one() -> None:
+            results.append(await generate_text(runtime, prompt=PROMPTS[2], max_tokens=20))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(one)
+        assert results == [alone] * 4
+        with pytest.raises(RequestError) as caught:
+            await generate_text(runtime, prompt=" ".join(PROMPTS * 6), max_tokens=4)
+        assert isinstance(caught.value.__cause__, KVCacheFull)
+        assert "needs KV for 503 tokens but the whole cache holds 96" in str(caught.value)
+        assert runtime.batching.engines["lm"].blocks_in_use == 0
+
+
+@pytest.mark.anyio
+async def test_seeded_sampling_is_reproducible_under_concurrency(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    sampled = dict(prompt=PROMPTS[0], max_tokens=16, temperature=0.9, top_p=0.95, top_k=50)
+    async with open_runtime(model) as runtime:
+        alone = [await generate_text(runtime, seed=s, **sampled) for s in (1, 2)]
+        together: dict[int, str] = {}
+
+        async def one(seed: int) -> None:
+            together[seed] = await generate_text(runtime, seed=seed, **sampled)
+
+        async with anyio.create_task_group() as tg:
+            for seed in (1, 2):
+                tg.start_soon(one, seed)
+            tg.start_soon(functools.partial(generate_text, runtime, prompt="we", max_tokens=16))
+    assert [together[1], together[2]] == alone
+    assert alone[0] != alone[1]
+
+
+@pytest.mark.anyio
+async def test_chat_messages_use_the_chat_template(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    tokenizer = ChatTokenizer.from_folder(tiny_folder)
+    messages = [{"role": "user", "content": "we'll see"}]
+    rendered = tokenizer.apply_chat_template(messages)
+    async with open_runtime(model) as runtime:
+        by_messages = await generate_text(runtime, messages=messages, max_tokens=6)
+        by_prompt = await generate_text(runtime, prompt=rendered, max_tokens=6)
+    assert by_messages == by_prompt
+
+
+def test_torch_compile_option_leaves_outputs_unchanged(tiny_folder: Path) -> None:
+    # One event loop is enough here: what is under test is the compiled forward, and tracing
+    # costs ~20 s on this CPU. aot_eager traces the model with dynamo and AOTAutograd as
+    # inductor does, without the minutes of C++ code generation a cold inductor cache costs.
+    eager = build_causal_lm(tiny_folder, dtype="float32")
+    compiled = build_causal_lm(tiny_folder, dtype="float32", compile="aot_eager")
+
+    async def both() -> tuple[str, str]:
+        async with open_runtime(eager) as runtime:
+            expected = await generate_text(runtime, prompt=PROMPTS[0], max_tokens=12)
+        async with open_runtime(compiled) as runtime:
+            got = await generate_text(runtime, prompt=PROMPTS[0], max_tokens=12)
+        return expected, got
+
+    expected, got = anyio.run(both)
+    assert got == expected and len(expected) > 0
