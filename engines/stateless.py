@@ -24,6 +24,10 @@ class StatelessEngine:
     moved to ``device``/``dtype`` before the call. Steps of different ops in one forward run as
     one call per op. It holds no per-request state, so ``release`` does nothing.
 
+    ``pad`` names inputs whose tensors may differ in length along dim 0 (token sequences,
+    windows of codes): they are right-padded with the given value and stacked, and the op also
+    receives ``<name>_lengths``, a long tensor of the true lengths, to build its mask from.
+
     Raises:
         ValueError: ``ops`` is empty.
     """
@@ -34,10 +38,12 @@ class StatelessEngine:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        pad: Mapping[str, float] | None = None,
     ) -> None:
         if not ops:
             raise ValueError("StatelessEngine: ops must name at least one op")
         self.ops = dict(ops)
+        self.pad = dict(pad or {})
         self.device = torch.device(device)
         self.dtype = dtype
 
@@ -74,7 +80,13 @@ class StatelessEngine:
                 raise EngineError(
                     f"op {op!r}: steps disagree on inputs ({sorted(names)} vs {sorted(inputs)})"
                 )
-        collated = {name: self._collate([inputs[name] for inputs in batch]) for name in names}
+        collated: dict[str, Any] = {}
+        for name in names:
+            values = [inputs[name] for inputs in batch]
+            if name in self.pad:
+                collated[name], collated[f"{name}_lengths"] = self._pad(name, values)
+            else:
+                collated[name] = self._collate(values)
         with torch.inference_mode():
             outputs = fn(**collated)
         return _split(op, outputs, len(batch))
@@ -90,6 +102,19 @@ class StatelessEngine:
         ):
             return self._place(torch.stack(values))
         return [self._place(v) if isinstance(v, torch.Tensor) else v for v in values]
+
+    def _pad(self, name: str, values: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in values):
+            raise EngineError(
+                f"input {name!r} is padded, so every step must give a tensor of dim >= 1"
+            )
+        tensors: list[torch.Tensor] = values
+        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
+        longest = int(lengths.max())
+        padded = tensors[0].new_full((len(tensors), longest, *tensors[0].shape[1:]), self.pad[name])
+        for i, tensor in enumerate(tensors):
+            padded[i, : tensor.shape[0]] = tensor
+        return self._place(padded), lengths.to(self.device)
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models in the zoo")
     models.set_defaults(handler=_models)
     add_run_parser(sub)
+    __import__("mstar_async.cli.bench", fromlist=["add_bench_parser"]).add_bench_parser(sub)
     return parser
 
 

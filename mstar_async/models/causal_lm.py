@@ -80,6 +80,7 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
         top_k: int = 0,
         seed: int = 0,
         chat: bool = False,
+        ignore_eos: bool = False,
     ) -> AsyncGenerator[Any, None]:
         # A prompt is continued as written (a completion); messages, or chat=True, go through
         # the checkpoint's chat template (a chat completion).
@@ -88,7 +89,7 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
             text = tokenizer.apply_chat_template(conversation)
         else:
             text = prompt
-        stop_ids = tokenizer.eos_token_ids
+        stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
             top_p=top_p,
