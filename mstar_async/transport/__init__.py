@@ -1,11 +1,82 @@
 """Messages between the conductor and workers, and the ways they travel.
 
 In one process a ``StepCall`` is handed over as a Python object, tensors and all; across
-processes the same message travels as a small typed header plus raw tensor frames.
+processes the same message travels as a small typed header plus raw tensor frames:
+
+- :mod:`~mstar_async.transport.codec`: value trees <-> msgpack header + zero-copy tensor
+  buffers; :func:`register_wire_type` lets a dataclass travel;
+- :mod:`~mstar_async.transport.wire`: the message structs and :func:`encode_message` /
+  :func:`decode_message`;
+- :mod:`~mstar_async.transport.zmq_link`: :class:`ZmqHub`, the ROUTER :class:`Server` and the
+  DEALER :class:`Link` over ``zmq.asyncio`` (IPC and TCP).
 """
 
 from __future__ import annotations
 
+from mstar_async.transport.codec import (
+    SUPPORTED_DTYPES,
+    TensorMeta,
+    decode_value,
+    encode_value,
+    register_wire_type,
+    registered_wire_types,
+    tensor_buffer,
+    tensor_from_buffer,
+)
+from mstar_async.transport.errors import (
+    RemoteError,
+    TransportError,
+    lookup_remote_error,
+    register_remote_error,
+    remote_error_name,
+)
 from mstar_async.transport.messages import StepCall
+from mstar_async.transport.wire import (
+    ErrorInfo,
+    FetchTensor,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Release,
+    Shutdown,
+    StepReply,
+    StepRequest,
+    TensorReply,
+    decode_message,
+    encode_message,
+)
+from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
-__all__ = ["StepCall"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "ErrorInfo",
+    "FetchTensor",
+    "Hello",
+    "Link",
+    "Message",
+    "Ping",
+    "Pong",
+    "Release",
+    "RemoteError",
+    "Server",
+    "Shutdown",
+    "StepCall",
+    "StepReply",
+    "StepRequest",
+    "TensorMeta",
+    "TensorReply",
+    "TransportError",
+    "ZmqHub",
+    "decode_message",
+    "decode_value",
+    "encode_message",
+    "encode_value",
+    "lookup_remote_error",
+    "register_remote_error",
+    "register_wire_type",
+    "registered_wire_types",
+    "remote_error_name",
+    "tensor_buffer",
+    "tensor_from_buffer",
+]

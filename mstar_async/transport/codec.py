@@ -1,0 +1,452 @@
+"""Value codec: a tree of Python values <-> one msgpack header plus raw tensor buffers.
+
+A value tree is made of ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``,
+``list``, ``tuple``, ``set``, ``frozenset``, ``dict`` with ``str`` keys, CPU tensors and
+registered dataclasses (:func:`register_wire_type`). Types are matched exactly: a subclass of
+``tuple`` or ``int`` (a ``NamedTuple``, an ``IntEnum``, ``torch.Size``) is refused rather than
+silently turned into its base, so what comes out is what went in.
+
+Wire layout. The header is msgpack (msgspec). Lists, dicts and scalars are plain msgpack;
+the other kinds are msgpack *ext* values:
+
+==========  =========================================================================
+ext code    payload
+==========  =========================================================================
+1 tensor    :class:`TensorMeta` ``[frame, dtype, shape]``; the bytes are buffer ``frame``
+2 tuple     msgpack array of the items
+3 dataclass msgpack ``[registered name, [init field values in declaration order]]``
+4 set       msgpack array of the items
+5 frozenset msgpack array of the items
+==========  =========================================================================
+
+Copies. Encoding copies no tensor bytes: each buffer is a ``memoryview`` over the tensor's
+own storage (through ``Tensor.numpy()``, reinterpreted as a same-width integer type for dtypes
+numpy lacks, e.g. bfloat16 as int16). Only tensors that are not plain CPU memory are copied
+first: non-contiguous ones (``.contiguous()``), ones off the CPU (``.cpu()``) and ones with a
+lazy conjugate/negative bit. Decoding copies no tensor bytes either: the tensor is built over
+the received buffer (a numpy array over the buffer, then ``torch.from_numpy``) and holds a
+reference to it, so a ``zmq.Frame`` stays alive as long as any tensor made from it. Two cases
+copy on decode: a read-only buffer (``bytes``) is copied so that no tensor ever aliases
+immutable memory, and a buffer whose address is not a multiple of the element size (libzmq
+packs small messages into a shared receive buffer) is copied so that kernels see aligned data.
+Over ZeroMQ, pyzmq itself copies frames smaller than ``zmq.COPY_THRESHOLD`` (64 KiB) on send,
+which is cheaper than sharing memory for small frames.
+
+A sent tensor shares memory with the frame until ZeroMQ has written it out: do not modify a
+tensor in place after handing it to ``encode_value`` / a link's ``send``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import torch
+
+from mstar_async.transport.errors import TransportError
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "Buffer",
+    "TensorMeta",
+    "decode_value",
+    "decode_wire",
+    "encode_value",
+    "ext_hook",
+    "register_wire_type",
+    "registered_wire_types",
+    "tensor_buffer",
+    "tensor_from_buffer",
+    "to_wire",
+]
+
+T = TypeVar("T")
+
+# Anything with the buffer protocol that ZeroMQ can send or we can decode from: bytes,
+# bytearray, memoryview, numpy arrays, zmq.Frame.
+Buffer = Any
+
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+_EXT_DATACLASS = 3
+_EXT_SET = 4
+_EXT_FROZENSET = 5
+
+
+class TensorMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where a tensor's bytes are and how to read them.
+
+    Attributes:
+        frame: index of the buffer that holds the bytes (in the message's buffer list);
+            -1 for a tensor with no elements, which sends no buffer.
+        dtype: torch dtype name without ``torch.`` (``"bfloat16"``).
+        shape: the tensor's shape; ``()`` for a 0-dim tensor.
+    """
+
+    frame: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _DType:
+    dtype: torch.dtype
+    # Same-width dtype that Tensor.numpy() accepts; the bytes are reinterpreted, never converted.
+    view: torch.dtype
+    itemsize: int
+    numpy: np.dtype[Any]  # numpy's twin of ``view``
+
+
+_NUMPY_NATIVE = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+# dtypes numpy has no type for; they travel as integers of the same width.
+_VIA_INTEGER = (
+    "bfloat16",
+    "complex32",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _dtype_table() -> tuple[dict[str, _DType], dict[torch.dtype, str]]:
+    by_name: dict[str, _DType] = {}
+    for name in _NUMPY_NATIVE + _VIA_INTEGER:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            continue  # an older torch without this dtype
+        view = dtype if name in _NUMPY_NATIVE else _INT_OF_WIDTH[dtype.itemsize]
+        by_name[name] = _DType(
+            dtype, view, dtype.itemsize, torch.empty(0, dtype=view).numpy().dtype
+        )
+    return by_name, {d.dtype: name for name, d in by_name.items()}
+
+
+_DTYPES, _DTYPE_NAME = _dtype_table()
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(d.dtype for d in _DTYPES.values())
+"""Every tensor dtype the codec carries (those this torch build has)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _WireType:
+    cls: type[Any]
+    name: str
+    fields: tuple[str, ...]
+
+
+_TYPES_BY_CLASS: dict[type[Any], _WireType] = {}
+_TYPES_BY_NAME: dict[str, _WireType] = {}
+
+
+def register_wire_type(cls: type[T], *, name: str | None = None) -> type[T]:
+    """Let instances of the dataclass ``cls`` travel in value trees.
+
+    An instance travels as its registered name plus the values of its ``init`` fields (each a
+    value tree itself) and is rebuilt on the other side by calling ``cls(**fields)``, so
+    ``__post_init__`` checks run again there. Fields with ``init=False`` are not sent.
+    ``name`` defaults to ``"module.QualName"``; both sides must register the class under the
+    same name. Registering the same class under the same name again is a no-op, so every
+    process can run the same registration code; usable as a decorator.
+
+    Raises:
+        TypeError: ``cls`` is not a dataclass type.
+        ValueError: ``name`` is taken by another class, or ``cls`` is registered under
+            another name.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"register_wire_type: expected a dataclass type, got {cls!r}")
+    key = f"{cls.__module__}.{cls.__qualname__}" if name is None else name
+    taken = _TYPES_BY_NAME.get(key)
+    if taken is not None and taken.cls is not cls:
+        raise ValueError(
+            f"register_wire_type: name {key!r} is already registered for "
+            f"{taken.cls.__module__}.{taken.cls.__qualname__}"
+        )
+    known = _TYPES_BY_CLASS.get(cls)
+    if known is not None and known.name != key:
+        raise ValueError(
+            f"register_wire_type: {cls.__qualname__} is already registered as {known.name!r}"
+        )
+    fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    entry = _WireType(cls, key, fields)
+    _TYPES_BY_CLASS[cls] = entry
+    _TYPES_BY_NAME[key] = entry
+    return cls
+
+
+def registered_wire_types() -> dict[str, type[Any]]:
+    """A snapshot of the registry: registered name -> class. Never raises."""
+    return {name: entry.cls for name, entry in _TYPES_BY_NAME.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def tensor_buffer(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
+    """A buffer over ``tensor``'s bytes, and the meta to rebuild it (``frame`` left at -1).
+
+    Zero-copy for a contiguous CPU tensor with no lazy conjugate/negative bit: the
+    ``memoryview`` points at the tensor's storage and keeps the tensor alive. Other tensors
+    are first copied to one that is. Not for use with a tensor you modify later in place.
+
+    Raises:
+        TransportError: the dtype or layout cannot travel (quantized, sparse), or the tensor
+            cannot be copied to the CPU (a meta tensor).
+    """
+    name, shape, buffer = _tensor_bytes(tensor)
+    return TensorMeta(-1, name, shape), buffer
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
+    name = _DTYPE_NAME.get(tensor.dtype)
+    if name is None or tensor.layout != torch.strided:
+        raise TransportError(
+            f"cannot send a tensor of dtype {tensor.dtype} and layout {tensor.layout}; "
+            f"supported: strided tensors of {', '.join(_DTYPES)}"
+        )
+    # Each step below is skipped for the common tensor (CPU, contiguous, no grad): this runs
+    # for every tensor of every step, and each torch call costs about a microsecond.
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
+        try:
+            t = t.cpu()  # a copy; the receiver gets a CPU tensor and places it itself
+        except (NotImplementedError, RuntimeError) as exc:
+            raise TransportError(f"cannot send a tensor on {t.device}: {exc}") from exc
+    if not t.is_contiguous():
+        t = t.contiguous()
+    view = _DTYPES[name].view
+    try:
+        array = (t if view is t.dtype else t.view(view)).numpy()
+    except RuntimeError:  # a lazy conjugate or negative bit; numpy() refuses those
+        t = t.resolve_conj().resolve_neg()
+        array = (t if view is t.dtype else t.view(view)).numpy()
+    return name, tuple(t.shape), array.data
+
+
+def tensor_from_buffer(
+    buffer: Buffer, dtype: str | torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buffer``'s bytes, sharing its memory.
+
+    The tensor keeps ``buffer`` alive. It copies instead when ``buffer`` is read-only (so no
+    tensor aliases immutable memory) or misaligned for the element size.
+
+    Raises:
+        TransportError: unknown dtype, or the buffer's size does not match ``shape``.
+    """
+    name = dtype if isinstance(dtype, str) else _DTYPE_NAME.get(dtype)
+    info = _DTYPES.get(name) if name is not None else None
+    if info is None:
+        raise TransportError(f"unknown tensor dtype {dtype!r} in a message")
+    view = memoryview(buffer)
+    numel = math.prod(shape)
+    if view.nbytes != numel * info.itemsize:
+        raise TransportError(
+            f"tensor frame holds {view.nbytes} bytes, but {info.dtype} {tuple(shape)} "
+            f"needs {numel * info.itemsize}"
+        )
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=info.dtype)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    # numpy builds the shaped array over the buffer in a fraction of what torch.frombuffer plus
+    # a view costs; the array references the buffer and the tensor references the array.
+    t = torch.from_numpy(np.ndarray(tuple(shape), info.numpy, view))
+    if info.view is not info.dtype:
+        t = t.view(info.dtype)
+    if t.data_ptr() % info.itemsize:
+        t = t.clone()
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+_encoder = msgspec.msgpack.Encoder()
+_meta_encoder = msgspec.msgpack.Encoder()
+_Ext = msgspec.msgpack.Ext
+
+
+def _unsupported(value: object) -> TransportError:
+    tp = type(value)
+    return TransportError(
+        f"cannot send a value of type {tp.__module__}.{tp.__qualname__}: values must be None, "
+        "bool, int, float, str, bytes, list, tuple, set, frozenset, dict with str keys, "
+        "torch.Tensor, or a dataclass registered with "
+        "mstar_async.transport.register_wire_type(cls) on both sides"
+    )
+
+
+def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpack.Ext:
+    name, shape, buffer = _tensor_bytes(tensor)
+    frame = -1
+    if buffer.nbytes:
+        frame = len(buffers)
+        buffers.append(buffer)
+    return _Ext(_EXT_TENSOR, _meta_encoder.encode(TensorMeta(frame, name, shape)))
+
+
+def to_wire(value: Any, buffers: list[Buffer]) -> Any:
+    """``value`` as a tree msgspec can encode: tensors and non-msgpack kinds become ext values.
+
+    Tensor buffers are appended to ``buffers`` (their index goes in the header); use this to
+    embed a value tree in a larger msgspec message, as :mod:`mstar_async.transport.wire` does.
+
+    Raises:
+        TransportError: a value of a type that cannot travel (the message names the type and
+            how to register it), or a dict key that is not a str.
+    """
+    tp = type(value)
+    if value is None or tp is str or tp is int or tp is float or tp is bool or tp is bytes:
+        return value
+    if tp is dict:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise TransportError(
+                    f"cannot send a dict with a key of type {type(key).__qualname__} "
+                    f"({key!r}); dict keys must be str"
+                )
+            out[key] = to_wire(item, buffers)
+        return out
+    if tp is list:
+        return [to_wire(item, buffers) for item in value]
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(value, buffers)
+    if tp is tuple:
+        return _Ext(_EXT_TUPLE, _encode([to_wire(item, buffers) for item in value]))
+    wire_type = _TYPES_BY_CLASS.get(tp)
+    if wire_type is not None:
+        fields = [to_wire(getattr(value, f), buffers) for f in wire_type.fields]
+        return _Ext(_EXT_DATACLASS, _encode([wire_type.name, fields]))
+    if tp is frozenset:
+        return _Ext(_EXT_FROZENSET, _encode([to_wire(item, buffers) for item in value]))
+    if tp is set:
+        return _Ext(_EXT_SET, _encode([to_wire(item, buffers) for item in value]))
+    raise _unsupported(value)
+
+
+def _encode(tree: Any) -> bytes:
+    try:
+        return _encoder.encode(tree)
+    except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+        # ints beyond 64 bits are the only way a tree from to_wire can fail here
+        raise TransportError(f"cannot encode value: {exc}") from exc
+
+
+def encode_value(value: Any) -> tuple[bytes, list[Buffer]]:
+    """Encode a value tree as ``(header, buffers)``; tensors' bytes are the buffers, uncopied.
+
+    Send it as the multipart message ``[header, *buffers]``. Synchronous, no I/O.
+
+    Raises:
+        TransportError: a value that cannot travel; the message names its type.
+    """
+    buffers: list[Buffer] = []
+    return _encode(to_wire(value, buffers)), buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+# The buffers of the message being decoded: msgspec calls the ext hook with no context of ours,
+# and building a Decoder per message costs more than the whole header. Per thread, saved and
+# restored around each decode so nested and concurrent (threaded) decodes stay apart.
+_current = threading.local()
+_meta_decoder = msgspec.msgpack.Decoder(TensorMeta)
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_TENSOR:
+        meta = _meta_decoder.decode(data)
+        if meta.frame < 0:
+            return tensor_from_buffer(b"", meta.dtype, meta.shape)
+        buffers: Sequence[Buffer] = _current.buffers
+        if meta.frame >= len(buffers):
+            raise TransportError(
+                f"message refers to tensor frame {meta.frame} but carries {len(buffers)}"
+            )
+        return tensor_from_buffer(buffers[meta.frame], meta.dtype, meta.shape)
+    if code == _EXT_TUPLE:
+        return tuple(_value_decoder.decode(data))
+    if code == _EXT_DATACLASS:
+        name, values = _value_decoder.decode(data)
+        wire_type = _TYPES_BY_NAME.get(name)
+        if wire_type is None:
+            raise TransportError(
+                f"message carries a {name!r}, which is not registered here; call "
+                "mstar_async.transport.register_wire_type(cls) in this process too"
+            )
+        return wire_type.cls(**dict(zip(wire_type.fields, values, strict=True)))
+    if code == _EXT_SET:
+        return set(_value_decoder.decode(data))
+    if code == _EXT_FROZENSET:
+        return frozenset(_value_decoder.decode(data))
+    raise TransportError(f"unknown msgpack ext code {code} in a message")
+
+
+_value_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def decode_wire(decode: Callable[[Buffer], T], header: Buffer, buffers: Sequence[Buffer]) -> T:
+    """Run ``decode(header)`` (a msgspec decoder built with this module's ext hook) with
+    ``buffers`` as the message's tensor frames; for messages that embed value trees.
+
+    Raises:
+        TransportError: a malformed header, an unregistered dataclass name, a frame index
+            or size that does not fit, or a field value rejected by the class.
+    """
+    saved = getattr(_current, "buffers", None)
+    _current.buffers = buffers
+    try:
+        return decode(header)
+    except TransportError:
+        raise
+    except (msgspec.DecodeError, TypeError, ValueError) as exc:
+        raise TransportError(f"malformed message: {exc}") from exc
+    finally:
+        _current.buffers = saved
+
+
+def decode_value(header: Buffer, buffers: Sequence[Buffer]) -> Any:
+    """Rebuild the value tree that :func:`encode_value` encoded.
+
+    Tensors share memory with ``buffers`` (see the module notes for the two cases that copy).
+    Synchronous, no I/O.
+
+    Raises:
+        TransportError: see :func:`decode_wire`.
+    """
+    return decode_wire(_value_decoder.decode, header, buffers)
+
+
+def ext_hook() -> Callable[[int, memoryview], Any]:
+    """The msgspec ``ext_hook`` that turns this codec's ext values back into Python values;
+    pass it to a ``msgspec.msgpack.Decoder`` and call it through :func:`decode_wire`."""
+    return _ext_hook

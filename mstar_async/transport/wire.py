@@ -1,0 +1,258 @@
+"""What the conductor and workers say to each other across processes, and how it is framed.
+
+Every message is one ``msgspec.Struct`` of the tagged union :data:`Message`. On the wire a
+message is the multipart ZeroMQ message ``[header, *buffers]``: ``header`` is the struct in
+msgpack (compact: an array whose first item is the tag), and the fields that carry value trees
+(``StepRequest.inputs``, ``StepReply.outputs``, ``TensorReply.value``) are encoded with
+:mod:`mstar_async.transport.codec`, so their tensors travel as the ``buffers`` that follow,
+uncopied. In Python those fields hold the live values: build ``StepRequest(..., inputs={"x":
+tensor})``, ``encode_message`` it, and ``decode_message`` gives back a ``StepRequest`` whose
+``inputs`` holds tensors over the received frames.
+
+Conversation (the lead wires it up):
+
+- worker -> conductor, once, when it is ready: :class:`Hello`;
+- conductor -> worker: :class:`StepRequest` (reply: :class:`StepReply` with the same ``id``),
+  :class:`Release` (forget a request's state), :class:`Ping` (reply: :class:`Pong`),
+  :class:`Shutdown`;
+- worker -> worker (placeholder for pulling KV pages and big tensors): :class:`FetchTensor`,
+  answered by :class:`TensorReply`.
+"""
+
+from __future__ import annotations
+
+import traceback as _traceback
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgspec
+
+from mstar_async.errors import MstarError
+from mstar_async.transport.codec import Buffer, decode_wire, ext_hook, to_wire
+from mstar_async.transport.errors import (
+    RemoteError,
+    TransportError,
+    lookup_remote_error,
+    remote_error_name,
+)
+from mstar_async.transport.messages import StepCall
+
+__all__ = [
+    "ErrorInfo",
+    "FetchTensor",
+    "Hello",
+    "Message",
+    "Ping",
+    "Pong",
+    "Release",
+    "Shutdown",
+    "StepReply",
+    "StepRequest",
+    "TensorReply",
+    "decode_message",
+    "encode_message",
+]
+
+
+class ErrorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An exception in transit: its class name, message and (optionally) formatted traceback.
+
+    Build one with :meth:`from_exception`; turn it back into an exception with
+    :meth:`to_exception`, which picks the class by name from
+    :func:`~mstar_async.transport.errors.register_remote_error`'s table.
+    """
+
+    type: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, with_traceback: bool = True) -> ErrorInfo:
+        """Describe ``exc`` for the other side. Never raises."""
+        tb = "".join(_traceback.format_exception(exc)) if with_traceback else ""
+        message = exc.remote_message if isinstance(exc, RemoteError) else str(exc)
+        return cls(remote_error_name(exc), message, tb)
+
+    def to_exception(self) -> MstarError:
+        """The exception to raise here: an instance of the registered class of that name,
+        else :class:`RemoteError` carrying the remote class name. The remote traceback, if
+        any, is attached as a note. Never raises (returns the exception)."""
+        cls = lookup_remote_error(self.type)
+        exc: MstarError
+        if cls is None:
+            exc = RemoteError(self.type, self.message)
+        else:
+            try:
+                exc = cls(self.message)
+            except Exception:  # a registered class with another constructor signature
+                exc = RemoteError(self.type, self.message)
+        if self.traceback:
+            exc.add_note(f"remote traceback:\n{self.traceback}")
+        return exc
+
+
+class _Msg(msgspec.Struct, array_like=True, frozen=True):
+    # Fields that hold value trees (tensors, registered dataclasses); encode_message runs them
+    # through the value codec.
+    __wire_values__: ClassVar[tuple[str, ...]] = ()
+
+
+class Hello(_Msg, frozen=True, tag="hello", gc=False):
+    """A worker is up: its rank, process id, the endpoint it serves and the engines it runs."""
+
+    rank: int
+    pid: int
+    endpoint: str
+    engines: list[str]
+
+
+class StepRequest(_Msg, frozen=True, tag="step"):
+    """Run ``op`` of ``engine`` for node ``node`` of request ``request_id`` on ``inputs``.
+
+    ``id`` is the conductor's sequence number for matching the :class:`StepReply`.
+    """
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("inputs",)
+
+    id: int
+    request_id: str
+    engine: str
+    op: str
+    node: str = ""
+    inputs: dict[str, Any] = {}
+
+    @classmethod
+    def from_call(cls, id: int, call: StepCall) -> StepRequest:
+        """The request that carries ``call`` to another process. Never raises."""
+        return cls(id, call.request_id, call.engine, call.op, call.node, dict(call.inputs))
+
+    def to_call(self) -> StepCall:
+        """The in-process :class:`StepCall` this request describes. Never raises."""
+        return StepCall(self.request_id, self.engine, self.op, self.inputs, self.node)
+
+
+class StepReply(_Msg, frozen=True, tag="reply"):
+    """The outcome of :class:`StepRequest` ``id``: its ``outputs``, or the ``error`` it raised."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("outputs",)
+
+    id: int
+    outputs: Any = None
+    error: ErrorInfo | None = None
+
+    @classmethod
+    def failed(cls, id: int, exc: BaseException) -> StepReply:
+        """The reply for a step that raised ``exc``. Never raises."""
+        return cls(id, None, ErrorInfo.from_exception(exc))
+
+    def result(self) -> Any:
+        """The outputs.
+
+        Raises:
+            MstarError: the step failed; the exception of the remote class (see
+                :meth:`ErrorInfo.to_exception`).
+        """
+        if self.error is not None:
+            raise self.error.to_exception()
+        return self.outputs
+
+
+class Release(_Msg, frozen=True, tag="release", gc=False):
+    """Forget everything held for request ``request_id`` (KV blocks, partial state)."""
+
+    request_id: str
+
+
+class Shutdown(_Msg, frozen=True, tag="shutdown", gc=False):
+    """Finish and exit: the worker stops taking steps, closes its sockets and exits."""
+
+
+class Ping(_Msg, frozen=True, tag="ping", gc=False):
+    """Liveness probe; answered by a :class:`Pong` with the same ``id``."""
+
+    id: int = 0
+
+
+class Pong(_Msg, frozen=True, tag="pong", gc=False):
+    """Answer to :class:`Ping` ``id``."""
+
+    id: int = 0
+
+
+class FetchTensor(_Msg, frozen=True, tag="fetch", gc=False):
+    """Ask a worker for the tensor it holds under ``ref_id`` (worker-to-worker pull).
+
+    A placeholder for moving KV pages and large activations directly between workers.
+    """
+
+    ref_id: str
+    id: int = 0
+
+
+class TensorReply(_Msg, frozen=True, tag="tensor"):
+    """Answer to :class:`FetchTensor`: the ``value`` held under ``ref_id``, or an ``error``."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("value",)
+
+    ref_id: str
+    id: int = 0
+    value: Any = None
+    error: ErrorInfo | None = None
+
+
+Message = (
+    Hello | StepRequest | StepReply | Release | Shutdown | Ping | Pong | FetchTensor | TensorReply
+)
+"""Every message kind; ``decode_message`` returns one of these."""
+
+_MESSAGE_TYPES = (
+    Hello,
+    StepRequest,
+    StepReply,
+    Release,
+    Shutdown,
+    Ping,
+    Pong,
+    FetchTensor,
+    TensorReply,
+)
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=ext_hook())
+
+
+def encode_message(msg: Message) -> list[Buffer]:
+    """Frame ``msg`` as ``[header, *tensor buffers]``, ready for ``send_multipart(copy=False)``.
+
+    The tensor buffers share memory with the tensors in ``msg`` (see
+    :mod:`mstar_async.transport.codec` for the cases that copy). Synchronous, no I/O.
+
+    Raises:
+        TransportError: ``msg`` is not a message, or a value in it cannot travel (the
+            message names the type and how to register it).
+    """
+    if not isinstance(msg, _MESSAGE_TYPES):
+        raise TransportError(f"encode_message: not a message: {type(msg).__qualname__}")
+    buffers: list[Buffer] = []
+    names = msg.__wire_values__
+    if names:
+        wire = {name: to_wire(getattr(msg, name), buffers) for name in names}
+        msg = msgspec.structs.replace(msg, **wire)
+    try:
+        header = _encoder.encode(msg)
+    except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+        raise TransportError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
+    return [header, *buffers]
+
+
+def decode_message(frames: Sequence[Buffer]) -> Message:
+    """The message framed by :func:`encode_message`; its tensors share memory with ``frames``.
+
+    Synchronous, no I/O.
+
+    Raises:
+        TransportError: no frames, a malformed or unknown header, an unregistered dataclass,
+            or tensor frames that do not match the header.
+    """
+    if not frames:
+        raise TransportError("decode_message: empty multipart message")
+    return decode_wire(_decoder.decode, frames[0], frames[1:])

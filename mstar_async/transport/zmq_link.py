@@ -1,0 +1,366 @@
+"""Async ZeroMQ channels: a ROUTER :class:`Server` and DEALER :class:`Link` clients.
+
+A :class:`ZmqHub` owns one ``zmq.asyncio.Context`` and every socket opened through it, so one
+``close()`` releases them all (LINGER 0: unsent messages are dropped, nothing blocks) and a
+private temporary folder holds the runtime's IPC socket files, removed on close.
+
+Event loops. ``zmq.asyncio`` watches each socket's ZMQ_FD with ``loop.add_reader`` (pyzmq >= 17);
+uvloop and the default selector loop on Linux/macOS both provide it. Only the Windows proactor
+loop lacks it, where pyzmq runs a selector thread of its own. A socket belongs to the loop that
+first uses it: open and use a hub inside one running loop.
+
+Endpoints. ``ipc://PATH`` for processes on one host (``hub.ipc_endpoint()`` makes a unique one),
+``tcp://HOST:PORT`` across hosts; port ``0`` (or ``*``) binds a free port, and
+:attr:`Server.endpoint` reports the one bound.
+
+High-water marks. Both sides default to ``hwm=0``, no limit: a full ROUTER pipe would otherwise
+drop messages silently, and flow control belongs to the conductor, which bounds the steps it has
+in flight per worker. The ROUTER sets ROUTER_MANDATORY, so a send to a peer that is not connected
+raises :class:`TransportError` instead of vanishing. Pass ``hwm=N`` to cap queued messages per
+peer; a DEALER send then waits while its queue is full.
+
+Copies. Messages go out with ``copy=False``: frames of 64 KiB or more (``zmq.COPY_THRESHOLD``)
+are handed to libzmq by reference (a tensor must not be modified until it is sent), smaller ones
+are copied by pyzmq, which is cheaper for them. Received frames are ``zmq.Frame`` objects that
+own libzmq's buffer; decoded tensors point into them and keep them alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Self, TypeVar, cast
+
+import zmq
+import zmq.asyncio
+
+from mstar_async.transport.codec import Buffer
+from mstar_async.transport.errors import TransportError
+from mstar_async.transport.wire import Message, decode_message, encode_message
+
+__all__ = ["Link", "Server", "ZmqHub"]
+
+_S = TypeVar("_S", bound="_Socket")
+
+# sun_path holds 108 bytes including the terminating NUL on Linux (104 on macOS).
+_IPC_PATH_MAX = 103
+
+
+class _Socket:
+    """What Link and Server share: send/recv futures, cancel-safe receive, close."""
+
+    def __init__(self, hub: ZmqHub, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+        self._hub = hub
+        self._sock = sock
+        self._endpoint = endpoint
+        self._pending: asyncio.Future[list[zmq.Frame]] | None = None
+        self._receiving = False
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint bound or connected to (a bound TCP port 0 replaced by the real one)."""
+        return self._endpoint
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    async def _send_parts(self, parts: Sequence[Buffer]) -> None:
+        if self._closed:
+            raise TransportError(f"send on a closed socket ({self._endpoint})")
+        try:
+            future = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
+            # pyzmq sends at once when the queue has room and returns a finished future; only a
+            # full queue (hwm > 0) makes us wait.
+            if not future.done():
+                await future
+            future.result()
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise TransportError(
+                    f"no peer {bytes(parts[0])!r} connected to {self._endpoint}"
+                ) from exc
+            raise TransportError(f"send failed on {self._endpoint}: {exc}") from exc
+
+    async def _recv_parts(self) -> list[zmq.Frame]:
+        if self._closed:
+            raise TransportError(f"recv on a closed socket ({self._endpoint})")
+        if self._receiving:
+            # Two readers would both be handed the one pending message.
+            raise TransportError(
+                f"concurrent recv on {self._endpoint}: use one reader task per socket"
+            )
+        # Cancel safety: the receive future outlives a cancelled caller (shield), and the next
+        # call awaits the same one, so a message that arrives just as its reader is cancelled
+        # goes to the next reader instead of being lost.
+        future = self._pending
+        if future is None:
+            future = cast("asyncio.Future[list[zmq.Frame]]", self._sock.recv_multipart(copy=False))
+            self._pending = future
+        if not future.done():
+            self._receiving = True
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and future.cancelled() and task and not task.cancelling():
+                    raise TransportError(
+                        f"socket closed while receiving ({self._endpoint})"
+                    ) from None
+                raise
+            finally:
+                self._receiving = False
+        self._pending = None
+        try:
+            return future.result()
+        except asyncio.CancelledError:
+            raise TransportError(f"socket closed while receiving ({self._endpoint})") from None
+        except zmq.ZMQError as exc:
+            raise TransportError(f"recv failed on {self._endpoint}: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the socket at once (LINGER 0: queued outgoing messages are dropped).
+
+        A pending :meth:`recv` then raises :class:`TransportError`. Idempotent; never raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        self._hub._forget(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, tp: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Link(_Socket):
+    """The DEALER side: a worker's (or the conductor's) connection to one :class:`Server`.
+
+    Messages are delivered in order; :meth:`recv` returns whatever the server sent to this
+    link's identity. Open one with :meth:`ZmqHub.connect`.
+    """
+
+    async def send(self, msg: Message) -> None:
+        """Encode and send ``msg``.
+
+        Cancel-safe: a message goes out whole or not at all (a send cancelled while waiting
+        for room is not sent).
+
+        Raises:
+            TransportError: the link is closed, or ``msg`` holds a value that cannot travel.
+        """
+        await self._send_parts(encode_message(msg))
+
+    async def send_frames(self, frames: Sequence[Buffer]) -> None:
+        """Send already-framed parts (``encode_message`` output, or raw bytes for benchmarks).
+
+        Cancel-safe as :meth:`send`.
+
+        Raises:
+            TransportError: the link is closed.
+        """
+        await self._send_parts(frames)
+
+    async def recv(self) -> Message:
+        """Wait for the next message and decode it; its tensors point into the received frames.
+
+        Cancel-safe: a cancelled ``recv`` loses no message (the next call gets it). One reader
+        at a time: run one receive loop per socket.
+
+        Raises:
+            TransportError: the link is (or gets) closed, another ``recv`` is waiting, or the
+                message is malformed (it is consumed).
+        """
+        return decode_message(await self._recv_parts())
+
+    async def recv_frames(self) -> list[zmq.Frame]:
+        """Wait for the next message and return its frames undecoded.
+
+        Cancel-safe and one reader at a time, as :meth:`recv`.
+
+        Raises:
+            TransportError: the link is (or gets) closed, or another ``recv`` is waiting.
+        """
+        return await self._recv_parts()
+
+
+class Server(_Socket):
+    """The ROUTER side: receives from many :class:`Link` peers and answers each by identity.
+
+    Open one with :meth:`ZmqHub.bind`.
+    """
+
+    async def send(self, identity: bytes, msg: Message) -> None:
+        """Encode ``msg`` and send it to the peer ``identity`` (as :meth:`recv` returned it).
+
+        Cancel-safe: whole or not at all.
+
+        Raises:
+            TransportError: the server is closed, no peer ``identity`` is connected, or ``msg``
+                holds a value that cannot travel.
+        """
+        await self._send_parts([identity, *encode_message(msg)])
+
+    async def send_frames(self, identity: bytes, frames: Sequence[Buffer]) -> None:
+        """Send already-framed parts to ``identity``. Cancel-safe; raises as :meth:`send`."""
+        await self._send_parts([identity, *frames])
+
+    async def recv(self) -> tuple[bytes, Message]:
+        """Wait for the next message from any peer: ``(identity, message)``.
+
+        Cancel-safe: a cancelled ``recv`` loses no message. One reader at a time: run one
+        receive loop per socket.
+
+        Raises:
+            TransportError: the server is (or gets) closed, another ``recv`` is waiting, or the
+                message is malformed (it is consumed).
+        """
+        identity, frames = await self.recv_frames()
+        return identity, decode_message(frames)
+
+    async def recv_frames(self) -> tuple[bytes, list[zmq.Frame]]:
+        """Wait for the next message: ``(identity, frames)`` undecoded.
+
+        Cancel-safe and one reader at a time, as :meth:`recv`.
+
+        Raises:
+            TransportError: the server is (or gets) closed, another ``recv`` is waiting, or a
+                message without an identity frame.
+        """
+        parts = await self._recv_parts()
+        if len(parts) < 2:
+            raise TransportError(f"message without identity frame on {self._endpoint}")
+        return parts[0].bytes, parts[1:]
+
+
+class ZmqHub:
+    """One runtime's ZeroMQ context, its sockets and its IPC folder; ``close()`` ends them all.
+
+    Use it as a context manager (``with ZmqHub() as hub:``) or call :meth:`close`. Opening
+    sockets is synchronous (ZeroMQ connects in the background); do it inside the event loop
+    that will use them.
+
+    Args:
+        io_threads: libzmq I/O threads; one moves about a GB/s, enough for one host.
+    """
+
+    def __init__(self, *, io_threads: int = 1) -> None:
+        self._ctx = zmq.asyncio.Context(io_threads=io_threads)
+        self._sockets: set[_Socket] = set()
+        self._ipc_dir: str | None = None
+        self._names = itertools.count()
+        self._closed = False
+
+    @property
+    def open_sockets(self) -> int:
+        """How many sockets opened through this hub are not closed yet."""
+        return len(self._sockets)
+
+    def ipc_endpoint(self, name: str | None = None) -> str:
+        """A fresh ``ipc://`` endpoint in this hub's private folder (removed by :meth:`close`).
+
+        Raises:
+            TransportError: the hub is closed, or the path is too long for a unix socket.
+        """
+        self._check_open()
+        if self._ipc_dir is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="mstar-")
+        path = os.path.join(self._ipc_dir, name or f"s{next(self._names)}")
+        if len(path.encode()) > _IPC_PATH_MAX:
+            raise TransportError(f"IPC path too long for a unix socket ({len(path)} bytes): {path}")
+        return f"ipc://{path}"
+
+    def bind(self, endpoint: str | None = None, *, hwm: int = 0) -> Server:
+        """Open a ROUTER :class:`Server` bound to ``endpoint`` (default: a fresh IPC endpoint).
+
+        ``tcp://HOST:0`` binds a free port; read it back from :attr:`Server.endpoint`.
+
+        Raises:
+            TransportError: the hub is closed, or the endpoint cannot be bound (in use,
+                malformed).
+        """
+        self._check_open()
+        target = self.ipc_endpoint() if endpoint is None else endpoint
+        sock = self._socket(zmq.ROUTER, hwm)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            sock.bind(target)
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransportError(f"cannot bind {target}: {exc}") from exc
+        return self._keep(Server(self, sock, bound))
+
+    def connect(self, endpoint: str, *, identity: bytes | None = None, hwm: int = 0) -> Link:
+        """Open a DEALER :class:`Link` to ``endpoint``; messages queue until the peer is up.
+
+        ``identity`` is what the server sees as this link's identity (default: one libzmq
+        picks); give it when the server must address a known peer, e.g. ``b"rank-3"``.
+
+        Raises:
+            TransportError: the hub is closed, or the endpoint is malformed.
+        """
+        self._check_open()
+        sock = self._socket(zmq.DEALER, hwm)
+        try:
+            if identity is not None:
+                sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransportError(f"cannot connect to {endpoint}: {exc}") from exc
+        return self._keep(Link(self, sock, endpoint))
+
+    def close(self) -> None:
+        """Close every socket of this hub, end its context and remove its IPC folder.
+
+        Pending receives raise :class:`TransportError`. Idempotent; never raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for sock in list(self._sockets):
+            sock.close()
+        self._ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def __enter__(self) -> ZmqHub:
+        return self
+
+    def __exit__(
+        self, tp: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("ZmqHub is closed")
+
+    def _socket(self, kind: int, hwm: int) -> zmq.asyncio.Socket:
+        sock: zmq.asyncio.Socket = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        return sock
+
+    def _keep(self, sock: _S) -> _S:
+        self._sockets.add(sock)
+        return sock
+
+    def _forget(self, sock: _Socket) -> None:
+        with contextlib.suppress(KeyError):
+            self._sockets.remove(sock)
