@@ -221,7 +221,9 @@ class WalkRunner:
         )
 
     async def _fire(self, node: Node, inputs: dict[str, Any], scope: _Scope) -> None:
-        call = StepCall(self.request.request_id, node.engine, node.op, inputs, node.name)
+        call = StepCall(
+            self.request.request_id, node.engine, node.op, inputs, node.name, self.plan.walk.name
+        )
         outputs = await self.request.executor.submit(call)
         for port in node.outputs:
             if port not in outputs:

@@ -18,6 +18,7 @@ from mstar_async.graph.blocks import (
 from mstar_async.graph.model import Model, Program
 from mstar_async.graph.nodes import Edge, Node, PortRef, stream
 from mstar_async.graph.plan import EdgePlan, WalkPlan
+from mstar_async.graph.source import ModelSource
 
 __all__ = [
     "Block",
@@ -27,6 +28,7 @@ __all__ = [
     "Loop",
     "LoopStep",
     "Model",
+    "ModelSource",
     "Node",
     "NodeRef",
     "Parallel",

@@ -10,6 +10,7 @@ from mstar_async.errors import GraphError
 from mstar_async.graph.blocks import Walk, node_names
 from mstar_async.graph.nodes import Edge, Node, check_name
 from mstar_async.graph.plan import WalkPlan, plan_walk
+from mstar_async.graph.source import ModelSource
 
 #: A request program: an async generator function ``program(request, **inputs)`` that awaits and
 #: iterates walks through ``request`` and yields outputs as they are made.
@@ -54,6 +55,8 @@ class Model:
         _check_components(self.nodes, self.components)
         _check_edges(self.nodes, self.edges, self.walks)
         _check_acyclic(self.nodes, self.edges)
+        #: How another process rebuilds this model (set by the zoo's ``build_model``).
+        self.source: ModelSource | None = None
         self.plans: Mapping[str, WalkPlan] = MappingProxyType(
             {w.name: plan_walk(w, self.nodes, list(self.edges)) for w in self.walks.values()}
         )

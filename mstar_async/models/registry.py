@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar_async.errors import ModelNotFound
-from mstar_async.graph import Model
+from mstar_async.graph import Model, ModelSource
 
 
 @dataclass(frozen=True)
@@ -52,4 +52,6 @@ def build_model(name: str, **options: Any) -> Model:
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ModelNotFound(f"no model {name!r}; registered models: {sorted(_REGISTRY)}")
-    return entry.build(**options)
+    model = entry.build(**options)
+    model.source = ModelSource("mstar_async.models:build_model", {"name": name, **options})
+    return model

@@ -10,23 +10,46 @@ import anyio
 
 from mstar_async.conductor import Conductor, RequestStream
 from mstar_async.conductor.conductor import unwrap
+from mstar_async.conductor.dispatch import PlacedExecutor
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
+from mstar_async.placement import Placement
 from mstar_async.worker import BatchingLoop
+from mstar_async.worker.pool import WorkerPool
 
 log = get_logger("mstar_async.runtime")
 
 
 class Runtime:
-    """A running model: its engines, the batching loop that drives them, and its conductor.
+    """A running model: its conductor and what runs its steps, either a batching loop in this
+    process (``batching``) or worker processes (``pool``).
 
     Obtain one from ``open_runtime``; it lives as long as that ``async with`` block.
     """
 
-    def __init__(self, model: Model, loop: BatchingLoop, conductor: Conductor) -> None:
+    def __init__(
+        self,
+        model: Model,
+        conductor: Conductor,
+        *,
+        batching: BatchingLoop | None = None,
+        pool: WorkerPool | None = None,
+    ) -> None:
         self.model = model
-        self.batching = loop
         self.conductor = conductor
+        self._batching = batching
+        self.pool = pool
+
+    @property
+    def batching(self) -> BatchingLoop:
+        """The in-process batching loop.
+
+        Raises:
+            RuntimeError: this runtime runs its steps in worker processes.
+        """
+        if self._batching is None:
+            raise RuntimeError("this runtime runs its steps in worker processes: see .pool")
+        return self._batching
 
     def generate(self, *, request_id: str | None = None, **inputs: Any) -> RequestStream:
         """Start a request and return its outputs as an async iterator (close it, or use
@@ -40,18 +63,46 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(
-    model: Model, *, max_batch_size: int = 256, max_batch_tokens: int = 512
+    model: Model,
+    *,
+    placement: Placement | None = None,
+    max_batch_size: int = 256,
+    max_batch_tokens: int = 512,
 ) -> AsyncIterator[Runtime]:
-    """Build ``model``'s engines in this process and serve it until the block exits.
+    """Serve ``model`` until the block exits.
+
+    Without ``placement`` every engine is built in this process and one batching loop runs
+    them. With one, each rank is a worker process that builds the engines placed on it (the
+    model must come from the zoo's ``build_model`` or carry a ``source``), and each node step
+    goes to the rank placement names.
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
-    replaces one. Leaving the block cancels requests still running and stops the batching loop.
+    replaces one. Leaving the block cancels requests still running and stops every worker.
     ``max_batch_size`` and ``max_batch_tokens`` bound one forward of an engine (see
     ``BatchingLoop``).
 
     Raises:
-        Whatever a component factory raises while building its engine.
+        PlacementError: the placement does not fit the model.
+        ValueError: a placement was given for a model that no other process can rebuild.
+        WorkerLost: a worker failed to start.
+        Whatever a component factory raises while building its engine in this process.
     """
+    try:
+        if placement is None:
+            async with _in_process(model, max_batch_size, max_batch_tokens) as runtime:
+                yield runtime
+        else:
+            async with _with_workers(model, placement, max_batch_tokens) as runtime:
+                yield runtime
+    except BaseExceptionGroup as group:
+        # The caller's own exception, not a group our task groups wrapped around it.
+        raise unwrap(group) from None
+
+
+@asynccontextmanager
+async def _in_process(
+    model: Model, max_batch_size: int, max_batch_tokens: int
+) -> AsyncIterator[Runtime]:
     engines = {}
     for name, factory in model.components.items():
         engines[name] = await anyio.to_thread.run_sync(factory)
@@ -59,15 +110,29 @@ async def open_runtime(
         engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens
     )
     log.info("runtime.open", model=model.name, engines=sorted(engines))
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(batching.run)
-            try:
-                async with Conductor(model, batching) as conductor:
-                    yield Runtime(model, batching, conductor)
-            finally:
-                tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The caller's own exception, not a group our task groups wrapped around it.
-        raise unwrap(group) from None
+    async with anyio.create_task_group() as tg:
+        await tg.start(batching.run)
+        try:
+            async with Conductor(model, batching) as conductor:
+                yield Runtime(model, conductor, batching=batching)
+        finally:
+            tg.cancel_scope.cancel()
+    log.info("runtime.close", model=model.name)
+
+
+@asynccontextmanager
+async def _with_workers(
+    model: Model, placement: Placement, max_batch_tokens: int
+) -> AsyncIterator[Runtime]:
+    resolved = placement.validate(model)
+    if model.source is None:
+        raise ValueError(
+            f"model {model.name!r} has no source, so worker processes cannot rebuild it: build "
+            "it with mstar_async.models.build_model, or set model.source = ModelSource(...)"
+        )
+    engines_on = {rank: resolved.engines_on(rank) for rank in range(resolved.ranks)}
+    log.info("runtime.open", model=model.name, ranks=resolved.ranks)
+    async with WorkerPool(model.source, engines_on, max_batch_tokens=max_batch_tokens) as pool:
+        async with Conductor(model, PlacedExecutor(resolved, pool)) as conductor:
+            yield Runtime(model, conductor, pool=pool)
     log.info("runtime.close", model=model.name)

@@ -13,6 +13,8 @@ class StepCall:
 
     ``inputs`` maps the node's input port names to values (tensors, chunks, plain Python values).
     The worker batches calls for the same engine and op from many requests into one forward.
+    ``node`` and ``walk`` say where in the model the step comes from, which is what placement
+    maps to a rank.
     """
 
     request_id: str
@@ -20,3 +22,4 @@ class StepCall:
     op: str
     inputs: Mapping[str, Any]
     node: str = ""
+    walk: str = ""

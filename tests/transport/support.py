@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.policies import Chunk
-from mstar_async.transport import SUPPORTED_DTYPES, register_wire_type, registered_wire_types
+from mstar_async.transport import SUPPORTED_DTYPES
+from mstar_async.worker.wire_types import register_wire_types
 
 # No example database: the tests must not write outside their own folders. Few examples: the
 # machine is shared with benchmarks.
@@ -25,11 +26,8 @@ COMPLEX_HALF_WARNING = "ignore:ComplexHalf support is experimental:UserWarning"
 
 
 def register_test_wire_types() -> None:
-    """Register Chunk and SamplingParams as production code does (idempotent)."""
-    known = set(registered_wire_types().values())
-    for cls in (Chunk, SamplingParams):
-        if cls not in known:
-            register_wire_type(cls)
+    """Register Chunk and SamplingParams exactly as production code does (idempotent)."""
+    register_wire_types()
 
 
 def address(buffer: Any) -> int:

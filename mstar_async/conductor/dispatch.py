@@ -1,0 +1,66 @@
+"""Sending each node step to the rank that placement names for it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Protocol
+
+import anyio
+
+from mstar_async.placement import ReplicaRouter, ResolvedPlacement
+from mstar_async.transport import StepCall
+
+
+class RankExecutor(Protocol):
+    """Runs steps on numbered ranks (worker processes)."""
+
+    async def submit_to(self, rank: int, call: StepCall) -> dict[str, Any]:
+        """Run ``call`` on ``rank`` and return its outputs; cancel-safe."""
+        ...
+
+    async def release_on(self, rank: int, request_id: str) -> None:
+        """Tell ``rank`` that ``request_id`` is over; never raises."""
+        ...
+
+
+class PlacedExecutor:
+    """A ``StepExecutor`` that routes each step by (walk, node) through a placement.
+
+    A node placed on several ranks is a replica set: a request goes to the least loaded
+    replica and stays there (its state lives on one rank).
+    """
+
+    def __init__(self, placement: ResolvedPlacement, ranks: RankExecutor) -> None:
+        self.placement = placement
+        self.ranks = ranks
+        self.router = ReplicaRouter()
+        self._touched: dict[str, set[int]] = defaultdict(set)
+
+    def rank_for(self, call: StepCall) -> int:
+        """The rank that runs ``call``.
+
+        Raises:
+            PlacementError: the walk or node is not placed.
+        """
+        ranks = self.placement.ranks_for(call.walk, call.node)
+        if len(ranks) == 1:
+            return ranks[0]
+        return self.router.route(call.request_id, call.engine, ranks).rank
+
+    async def submit(self, call: StepCall) -> dict[str, Any]:
+        """Run ``call`` on its rank. Cancel-safe (see the rank executor).
+
+        Raises:
+            WorkerLost: the rank's worker died with this step in flight.
+            EngineError, MstarError: what the step raised on its worker.
+        """
+        rank = self.rank_for(call)
+        self._touched[call.request_id].add(rank)
+        return await self.ranks.submit_to(rank, call)
+
+    async def release(self, request_id: str) -> None:
+        """Release the request on every rank it ran on; completes even when cancelled."""
+        with anyio.CancelScope(shield=True):
+            for rank in sorted(self._touched.pop(request_id, ())):
+                await self.ranks.release_on(rank, request_id)
+        self.router.finish(request_id)

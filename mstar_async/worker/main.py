@@ -1,0 +1,144 @@
+"""The worker process: ``python -m mstar_async.worker.main`` with its configuration in the
+environment variable ``MSTAR_WORKER_CONFIG`` (JSON, written by ``WorkerPool``).
+
+It rebuilds the model from its source, builds the engines its rank runs, connects to the
+conductor, says ``Hello``, and serves steps through its own batching loop until told to shut
+down, or until its parent is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from mstar_async.graph import ModelSource
+from mstar_async.logs import configure_logging, get_logger
+from mstar_async.transport import (
+    Hello,
+    Link,
+    Ping,
+    Pong,
+    Release,
+    Shutdown,
+    StepReply,
+    StepRequest,
+    ZmqHub,
+)
+from mstar_async.worker.batching import BatchingLoop
+from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
+from mstar_async.worker.wire_types import register_wire_types
+
+CONFIG_VARIABLE = "MSTAR_WORKER_CONFIG"
+log = get_logger("mstar_async.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process needs to start: its rank, where the conductor listens, how to
+    rebuild the model, which engines to build, and its share of the CPU."""
+
+    rank: int
+    generation: int
+    endpoint: str
+    source: dict[str, Any]
+    engines: list[str]
+    parent_pid: int
+    threads: int = 1
+    max_batch_tokens: int = 512
+    log_level: str = "WARNING"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The configuration as the JSON the environment variable carries."""
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        """Parse ``to_json``'s output.
+
+        Raises:
+            ValueError: the text is not such a configuration.
+        """
+        try:
+            return cls(**json.loads(text))
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"bad worker configuration: {exc}") from exc
+
+
+def identity(rank: int, generation: int) -> bytes:
+    """The ZeroMQ identity of a worker: one per process, so a restarted rank is a new peer."""
+    return f"rank-{rank}-{generation}".encode()
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run the worker until ``Shutdown``, or until the parent process is gone.
+
+    Raises:
+        Whatever building the model or an engine raises (the process then exits non-zero and
+        the pool reports it).
+    """
+    register_wire_types()
+    model = ModelSource(**config.source).build()
+    engines = {name: model.components[name]() for name in config.engines}
+    batching = BatchingLoop(engines, max_batch_tokens=config.max_batch_tokens)
+    with ZmqHub() as hub:
+        link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
+        async with anyio.create_task_group() as tg:
+            await tg.start(batching.run)
+            tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
+            await link.send(Hello(config.rank, os.getpid(), config.endpoint, sorted(engines)))
+            log.info("worker.ready", rank=config.rank, engines=sorted(engines))
+            await _serve_messages(link, batching, tg)
+            tg.cancel_scope.cancel()
+
+
+async def _serve_messages(link: Link, batching: BatchingLoop, tg: Any) -> None:
+    while True:
+        message = await link.recv()
+        if isinstance(message, StepRequest):
+            tg.start_soon(_run_step, link, batching, message)
+        elif isinstance(message, Release):
+            tg.start_soon(batching.release, message.request_id)
+        elif isinstance(message, Ping):
+            await link.send(Pong(message.id))
+        elif isinstance(message, Shutdown):
+            return
+
+
+async def _run_step(link: Link, batching: BatchingLoop, request: StepRequest) -> None:
+    try:
+        reply = StepReply(request.id, await batching.submit(request.to_call()))
+    except Exception as exc:  # the step's failure travels back to the conductor
+        reply = StepReply.failed(request.id, exc)
+    await link.send(reply)
+
+
+async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:
+    await watch_parent(parent_pid)
+    scope.cancel()
+
+
+def main() -> int:
+    """Entry point of a worker process; returns its exit status."""
+    die_with_parent()
+    ignore_interrupts()
+    config = WorkerConfig.from_json(os.environ[CONFIG_VARIABLE])
+    configure_logging(config.log_level)
+    torch.set_num_threads(max(1, config.threads))
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        anyio.run(serve, config)
+    else:
+        anyio.run(serve, config, backend_options={"use_uvloop": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""``WorkerPool``: one worker process per rank, started, supervised, restarted and stopped.
+
+The pool binds one ROUTER socket; each worker connects a DEALER with an identity naming its
+rank and generation (a restarted rank is a new peer, so no stale connection can take its
+messages). Steps are matched to replies by a sequence number. When a worker dies, its
+in-flight steps fail with ``WorkerLost`` naming the rank, and a new worker takes the rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+from mstar_async.errors import MstarError, WorkerLost
+from mstar_async.graph import ModelSource
+from mstar_async.logs import get_logger
+from mstar_async.transport import (
+    Hello,
+    Release,
+    Server,
+    Shutdown,
+    StepCall,
+    StepReply,
+    StepRequest,
+    TransportError,
+    ZmqHub,
+)
+from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, identity
+from mstar_async.worker.wire_types import register_wire_types
+
+log = get_logger("mstar_async.worker.pool")
+
+
+class _Waiter:
+    __slots__ = ("done", "error", "outputs")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.outputs: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+
+@dataclass
+class _Rank:
+    rank: int
+    engines: frozenset[str]
+    generation: int = 0
+    process: Process | None = None
+    ready: anyio.Event = field(default_factory=anyio.Event)
+    in_flight: dict[int, _Waiter] = field(default_factory=dict)
+    restarts: int = 0
+
+    @property
+    def identity(self) -> bytes:
+        return identity(self.rank, self.generation)
+
+
+class WorkerPool:
+    """Worker processes for ``engines_on`` (rank -> engine names) of the model ``source`` builds.
+
+    Use as ``async with WorkerPool(...) as pool:``; entering starts every worker and waits for
+    each to say it is ready (``ready_timeout`` seconds); leaving asks them to shut down, waits
+    ``stop_timeout`` seconds, then kills what is left. ``threads`` is each worker's torch thread
+    count (default: the cores shared out between ranks, so ranks do not oversubscribe them).
+
+    Raises:
+        WorkerLost: a worker exited or failed to become ready in time while starting.
+    """
+
+    def __init__(
+        self,
+        source: ModelSource,
+        engines_on: Mapping[int, frozenset[str]],
+        *,
+        threads: int | None = None,
+        max_batch_tokens: int = 512,
+        ready_timeout: float = 180.0,
+        stop_timeout: float = 10.0,
+        log_level: str = "WARNING",
+    ) -> None:
+        self.source = source
+        self.ranks = {r: _Rank(r, frozenset(e)) for r, e in sorted(engines_on.items())}
+        self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.ranks)))
+        self.max_batch_tokens = max_batch_tokens
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.log_level = log_level
+        self._ids = itertools.count()
+        self._hub: ZmqHub | None = None
+        self._server: Server | None = None
+        self._tg: TaskGroup | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> WorkerPool:
+        register_wire_types()
+        self._hub = ZmqHub()
+        self._server = self._hub.bind()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._tg.start_soon(self._receive)
+            for state in self.ranks.values():
+                await self._start(state)
+            with anyio.fail_after(self.ready_timeout):
+                for state in self.ranks.values():
+                    await self._wait_ready(state)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, TimeoutError):
+                raise WorkerLost(
+                    f"workers did not become ready within {self.ready_timeout} s"
+                ) from exc
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            await self._stop_all()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            if self._hub is not None:
+                self._hub.close()
+
+    async def _start(self, state: _Rank) -> None:
+        assert self._server is not None and self._tg is not None
+        state.generation += 1
+        state.ready = anyio.Event()
+        config = WorkerConfig(
+            rank=state.rank,
+            generation=state.generation,
+            endpoint=self._server.endpoint,
+            source=self.source.to_dict(),
+            engines=sorted(state.engines),
+            parent_pid=os.getpid(),
+            threads=self.threads,
+            max_batch_tokens=self.max_batch_tokens,
+            log_level=self.log_level,
+        )
+        env = {**os.environ, CONFIG_VARIABLE: config.to_json()}
+        state.process = await anyio.open_process(
+            [sys.executable, "-m", "mstar_async.worker.main"],
+            stdin=None,
+            stdout=None,
+            stderr=None,
+            env=env,
+        )
+        log.info(
+            "worker.start", rank=state.rank, pid=state.process.pid, generation=state.generation
+        )
+        self._tg.start_soon(self._supervise, state, state.process)
+
+    async def _wait_ready(self, state: _Rank) -> None:
+        await state.ready.wait()
+        if state.process is None or state.process.returncode is not None:
+            raise WorkerLost(f"worker rank {state.rank} exited before it was ready")
+
+    async def _supervise(self, state: _Rank, process: Process) -> None:
+        code = await process.wait()
+        if self._closing or process is not state.process:
+            return
+        lost = WorkerLost(
+            f"worker rank {state.rank} (pid {process.pid}) died with exit code {code}; "
+            "its in-flight steps failed"
+        )
+        log.warning("worker.lost", rank=state.rank, pid=process.pid, code=code)
+        state.ready.set()  # wake anyone waiting for a start that will not come
+        for waiter in state.in_flight.values():
+            waiter.error = lost
+            waiter.done.set()
+        state.in_flight.clear()
+        state.restarts += 1
+        await self._start(state)
+
+    async def _stop_all(self) -> None:
+        for state in self.ranks.values():
+            if state.process is not None and state.process.returncode is None:
+                try:
+                    assert self._server is not None
+                    await self._server.send(state.identity, Shutdown())
+                except (TransportError, AssertionError):
+                    pass
+        with anyio.move_on_after(self.stop_timeout):
+            for state in self.ranks.values():
+                if state.process is not None:
+                    await state.process.wait()
+        for state in self.ranks.values():
+            if state.process is not None and state.process.returncode is None:
+                state.process.send_signal(signal.SIGKILL)
+                await state.process.wait()
+
+    # ------------------------------------------------------------------ traffic
+
+    async def _receive(self) -> None:
+        assert self._server is not None
+        by_identity: dict[bytes, _Rank] = {}
+        while True:
+            peer, message = await self._server.recv()
+            if isinstance(message, Hello):
+                hello = self.ranks[message.rank]
+                if peer == hello.identity:
+                    by_identity[peer] = hello
+                    hello.ready.set()
+                continue
+            sender = by_identity.get(peer)
+            if sender is None or not isinstance(message, StepReply):
+                continue
+            waiter = sender.in_flight.pop(message.id, None)
+            if waiter is None:
+                continue  # its submitter was cancelled
+            try:
+                waiter.outputs = message.result()
+            except MstarError as exc:
+                waiter.error = exc
+            waiter.done.set()
+
+    async def submit_to(self, rank: int, call: StepCall) -> dict[str, Any]:
+        """Run ``call`` on ``rank``'s worker and return its outputs.
+
+        Cancel-safe: a cancelled step's reply is dropped when it comes.
+
+        Raises:
+            WorkerLost: the worker died with the step in flight (or while restarting).
+            MstarError: what the step raised on the worker (its class kept where known).
+        """
+        state = self.ranks[rank]
+        with anyio.fail_after(self.ready_timeout):
+            await state.ready.wait()
+        if state.process is None or state.process.returncode is not None:
+            raise WorkerLost(f"worker rank {rank} is down")
+        assert self._server is not None
+        step_id = next(self._ids)
+        waiter = _Waiter()
+        state.in_flight[step_id] = waiter
+        try:
+            await self._server.send(state.identity, StepRequest.from_call(step_id, call))
+            await waiter.done.wait()
+        finally:
+            state.in_flight.pop(step_id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.outputs is not None
+        return waiter.outputs
+
+    async def release_on(self, rank: int, request_id: str) -> None:
+        """Tell ``rank``'s worker that ``request_id`` is over. Never raises."""
+        state = self.ranks[rank]
+        if self._server is None or state.process is None or state.process.returncode is not None:
+            return
+        try:
+            await self._server.send(state.identity, Release(request_id))
+        except TransportError:
+            pass  # the worker is gone; it held nothing that survives it
+
+    def pid(self, rank: int) -> int | None:
+        """The process id currently serving ``rank`` (None while it restarts)."""
+        process = self.ranks[rank].process
+        return None if process is None else process.pid
+
+    def restarts(self, rank: int) -> int:
+        """How many times ``rank``'s worker was replaced after dying."""
+        return self.ranks[rank].restarts

@@ -1,0 +1,159 @@
+"""Worker processes: same answers under every placement, kill -9 recovery, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from mstar_async.errors import RequestError, WorkerLost
+from mstar_async.models import build_model
+from mstar_async.outputs import AudioChunk, ImageOutput
+from mstar_async.placement import Placement
+from mstar_async.runtime import open_runtime
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
+ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+
+
+async def run_demo(runtime: Any, **inputs: Any) -> list[Any]:
+    with anyio.fail_after(120):
+        async with runtime.generate(**inputs) as outputs:
+            return [item async for item in outputs]
+
+
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    assert [type(x) for x in a] == [type(x) for x in b]
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, AudioChunk):
+            # Worker ranks get their own share of the cores: float results may differ in the
+            # last bits from thread-count-dependent reductions, never more.
+            torch.testing.assert_close(x.pcm, y.pcm, atol=1e-6, rtol=0)
+        else:
+            assert isinstance(x, ImageOutput)
+            torch.testing.assert_close(x.image, y.image, atol=1e-6, rtol=0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent reaps it later).
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.anyio
+async def test_same_answers_in_process_one_worker_and_codec_split() -> None:
+    inputs = {"text": "same answers", "max_codes": 24, "steps": 4, "seed": 7}
+    results = []
+    for placement in (None, Placement.single(), Placement.from_yaml(EXAMPLES / "codec_split.yaml")):
+        async with open_runtime(build_model("demo"), placement=placement) as runtime:
+            results.append(await run_demo(runtime, **inputs))
+    assert_same(results[0], results[1])
+    assert_same(results[0], results[2])
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_kill_9_fails_that_workers_requests_and_the_runtime_recovers() -> None:
+    placement = Placement.from_yaml(EXAMPLES / "replicas.yaml")  # codec on ranks 1 and 2
+    async with open_runtime(build_model("demo"), placement=placement) as runtime:
+        pool = runtime.pool
+        assert pool is not None
+        expected = await run_demo(runtime, text="before", max_codes=16, steps=2)
+        victim_pid = pool.pid(1)
+        assert victim_pid is not None
+        results: dict[str, Any] = {}
+
+        async def consume(name: str, **inputs: Any) -> None:
+            try:
+                results[name] = await run_demo(runtime, **inputs)
+            except RequestError as exc:
+                results[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            # Two long requests: the router puts one on each codec replica.
+            tg.start_soon(lambda: consume("a", text="long a", max_codes=4000, steps=2))
+            tg.start_soon(lambda: consume("b", text="long b", max_codes=300, steps=2))
+            with anyio.fail_after(60):
+                while pool.restarts(1) == 0 and len(results) < 2:
+                    if runtime.conductor.active and all(
+                        r.context is not None for r in runtime.conductor.active.values()
+                    ):
+                        os.kill(victim_pid, signal.SIGKILL)
+                        break
+                    await anyio.sleep(0.05)
+        lost = [r for r in results.values() if isinstance(r, RequestError)]
+        done = [r for r in results.values() if isinstance(r, list)]
+        assert len(lost) == 1 and len(done) == 1
+        assert isinstance(lost[0].__cause__, WorkerLost)
+        assert "worker rank 1" in str(lost[0].__cause__)
+        # The rank came back and the runtime serves new requests.
+        with anyio.fail_after(120):
+            while pool.pid(1) in (None, victim_pid):  # noqa: ASYNC110  (another process's state)
+                await anyio.sleep(0.05)
+        assert pool.restarts(1) == 1
+        assert_same(await run_demo(runtime, text="before", max_codes=16, steps=2), expected)
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_closing_the_runtime_stops_every_worker() -> None:
+    async with open_runtime(build_model("demo"), placement=Placement(nodes={"codec": 1})) as rt:
+        assert rt.pool is not None
+        pids = [rt.pool.pid(0), rt.pool.pid(1)]
+    assert all(p is not None for p in pids)
+    assert wait_gone([p for p in pids if p is not None], seconds=1.0)
+
+
+def _start_parent() -> tuple[subprocess.Popen[str], list[int]]:
+    parent = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("parent.py"))],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    pids: list[int] = json.loads(line)
+    assert all(alive(p) for p in pids)
+    return parent, pids
+
+
+def test_workers_die_with_a_parent_killed_by_sigkill() -> None:
+    parent, pids = _start_parent()
+    parent.kill()
+    parent.wait(timeout=10)
+    parent.stdout.close()  # type: ignore[union-attr]
+    assert wait_gone(pids), f"orphaned workers: {[p for p in pids if alive(p)]}"
+
+
+def test_ctrl_c_shuts_the_workers_down() -> None:
+    parent, pids = _start_parent()
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=30) == 130
+    parent.stdout.close()  # type: ignore[union-attr]
+    assert wait_gone(pids, seconds=5.0), f"orphaned workers: {[p for p in pids if alive(p)]}"
