@@ -118,6 +118,7 @@ class KVCacheEngine:
                 block_size=block_size,
                 dtype_bytes=torch.finfo(spec.dtype).bits // 8,
             )
+        self.num_layers = num_layers
         self.allocator = PagedKVAllocator(num_blocks, block_size)
         self.cache = PagedKVCache(
             num_layers=num_layers,
@@ -167,6 +168,64 @@ class KVCacheEngine:
             for i, token in sampled.items():
                 results[i] = {"token": token}
         return results
+
+    def export_state(self, request_id: str) -> dict[str, Any] | None:
+        """Everything held for ``request_id`` (its KV, pending tokens, sampling state), then
+        release it here: the request's state moves to another engine (prefill on one rank,
+        decode on another). ``None`` if nothing is held.
+        """
+        seq = self._sequences.get(request_id)
+        if seq is None or not self.allocator.has(request_id):
+            return None
+        n = self.allocator.num_tokens(request_id)
+        blocks = torch.tensor(self.allocator.block_table(request_id), device=self.device)
+        per_layer = [
+            torch.stack(
+                [
+                    cache.index_select(0, blocks).flatten(0, 1)[:n]
+                    for cache in (self.cache.key(layer), self.cache.value(layer))
+                ]
+            )
+            for layer in range(self.num_layers)
+        ]
+        state = {
+            "kv": torch.stack(per_layer).cpu(),
+            "pending": list(seq.pending),
+            "sampling": seq.params,
+            "generator": None if seq.generator is None else seq.generator.get_state(),
+        }
+        self.release(request_id)
+        return state
+
+    def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:
+        """Take over a request ``export_state`` gave away: allocate its KV and write it in.
+
+        Raises:
+            KVCacheFull: this engine has no room for the request's KV.
+            EngineError: the request is already held here.
+        """
+        if state is None:
+            return
+        if request_id in self._sequences:
+            raise EngineError(f"request {request_id} is already held by this engine")
+        kv: torch.Tensor = state["kv"].to(self.device, self.spec.dtype)
+        n = kv.shape[2]
+        needed = -(-n // self.allocator.block_size)
+        if needed > self.allocator.num_free_blocks:
+            raise KVCacheFull(
+                f"no room for the {n} KV tokens of request {request_id}: {needed} blocks "
+                f"needed, {self.allocator.num_free_blocks} free"
+            )
+        params: SamplingParams = state["sampling"]
+        seq = _Sequence(params, make_generator(params.seed, self.device), list(state["pending"]))
+        if seq.generator is not None and state["generator"] is not None:
+            seq.generator.set_state(state["generator"])
+        self._sequences[request_id] = seq
+        self.allocator.add(request_id)
+        plan = self.allocator.append(request_id, n)
+        slots = torch.tensor(plan.slots, device=self.device)
+        for layer in range(self.num_layers):
+            self.cache.write(layer, slots, kv[layer, 0], kv[layer, 1])
 
     def release(self, request_id: str) -> None:
         """Free the request's KV blocks and sampling state; idempotent."""

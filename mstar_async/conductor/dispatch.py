@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import anyio
 
 from mstar_async.placement import ReplicaRouter, ResolvedPlacement
-from mstar_async.transport import StepCall
+from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall
 
 
 class RankExecutor(Protocol):
@@ -35,6 +35,7 @@ class PlacedExecutor:
         self.ranks = ranks
         self.router = ReplicaRouter()
         self._touched: dict[str, set[int]] = defaultdict(set)
+        self._homes: dict[tuple[str, str], int] = {}  # (request, engine) -> rank holding state
 
     def rank_for(self, call: StepCall) -> int:
         """The rank that runs ``call``.
@@ -56,7 +57,23 @@ class PlacedExecutor:
         """
         rank = self.rank_for(call)
         self._touched[call.request_id].add(rank)
+        home = self._homes.get((call.request_id, call.engine))
+        if home is not None and home != rank:
+            await self._move_state(call, home, rank)
+        self._homes[(call.request_id, call.engine)] = rank
         return await self.ranks.submit_to(rank, call)
+
+    async def _move_state(self, call: StepCall, src: int, dst: int) -> None:
+        # The request's state for this engine (its KV) lives on ``src`` and its next step runs
+        # on ``dst`` (prefill and decode disaggregated): carry it across first.
+        rid, engine = call.request_id, call.engine
+        exported = await self.ranks.submit_to(
+            src, StepCall(rid, engine, EXPORT_OP, {}, call.node, call.walk)
+        )
+        await self.ranks.submit_to(
+            dst,
+            StepCall(rid, engine, IMPORT_OP, {"state": exported["state"]}, call.node, call.walk),
+        )
 
     async def release(self, request_id: str) -> None:
         """Release the request on every rank it ran on; completes even when cancelled."""
@@ -64,3 +81,5 @@ class PlacedExecutor:
             for rank in sorted(self._touched.pop(request_id, ())):
                 await self.ranks.release_on(rank, request_id)
         self.router.finish(request_id)
+        for key in [k for k in self._homes if k[0] == request_id]:
+            del self._homes[key]

@@ -30,7 +30,7 @@ from mstar_async.transport.errors import (
     register_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import StepCall
+from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall
 from mstar_async.transport.wire import (
     ErrorInfo,
     FetchTensor,
@@ -49,6 +49,8 @@ from mstar_async.transport.wire import (
 from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
 __all__ = [
+    "EXPORT_OP",
+    "IMPORT_OP",
     "SUPPORTED_DTYPES",
     "ErrorInfo",
     "FetchTensor",

@@ -6,6 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: Ops a worker runs through an engine's ``export_state`` / ``import_state`` (when it has them)
+#: instead of a forward: how a request's state (its KV) moves from one rank to another.
+EXPORT_OP = "__export__"
+IMPORT_OP = "__import__"
+
 
 @dataclass(frozen=True, slots=True)
 class StepCall:

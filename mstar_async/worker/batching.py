@@ -22,7 +22,7 @@ from anyio.abc import TaskStatus
 
 from mstar_async.engines import WAIT, Engine, Step, StepResult
 from mstar_async.errors import EngineError, MstarError
-from mstar_async.transport import StepCall
+from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall
 
 
 class _Pending:
@@ -195,6 +195,12 @@ class BatchingLoop:
                 self._forward_one(name, group)
 
     def _forward_one(self, name: str, group: list[_Pending]) -> None:
+        moves = [p for p in group if p.step.op in (EXPORT_OP, IMPORT_OP)]
+        for pending in moves:
+            pending.outcome = self._move_state(self.engines[name], pending.step)
+        group = [p for p in group if p.step.op not in (EXPORT_OP, IMPORT_OP)]
+        if not group:
+            return
         self.stats.forwards += 1
         self.stats.steps += len(group)
         self.stats.batch_sizes[len(group)] += 1
@@ -208,6 +214,20 @@ class BatchingLoop:
             results = [exc] * len(group)
         for pending, outcome in zip(group, results, strict=True):
             pending.outcome = outcome
+
+    @staticmethod
+    def _move_state(engine: Engine, step: Step) -> StepResult:
+        """A request's state leaving this engine, or arriving: engines without state move none."""
+        try:
+            if step.op == EXPORT_OP:
+                export = getattr(engine, "export_state", None)
+                return {"state": None if export is None else export(step.request_id)}
+            import_state = getattr(engine, "import_state", None)
+            if import_state is not None:
+                import_state(step.request_id, step.inputs.get("state"))
+            return {}
+        except Exception as exc:
+            return exc
 
     def _resolve(self, batches: dict[str, list[_Pending]]) -> None:
         again: list[_Pending] = []

@@ -1,0 +1,78 @@
+"""Placements that cut a model across worker processes: prefill/decode, slow stream consumers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from mstar_async.models import build_model
+from mstar_async.outputs import TextDelta
+from mstar_async.placement import Placement
+from mstar_async.runtime import open_runtime
+from mstar_async.streams import EdgeSender
+from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_hf_folder
+from tests.worker.models import BOUND, build_slow_pipeline
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
+ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+PROMPTS = ["The capital of France is", "def main():", "we'll see what they're saying"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = train_tokenizer("gpt2")
+    model = make_llama(tokenizer.get_vocab_size(), tied=False, seed=3)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
+    return folder
+
+
+async def texts(runtime: Any, **inputs: Any) -> str:
+    with anyio.fail_after(120):
+        async with runtime.generate(**inputs) as outputs:
+            return "".join([o.text async for o in outputs if isinstance(o, TextDelta)])
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_prefill_decode_split_moves_the_kv_and_changes_no_token(tiny_folder: Path) -> None:
+    def model() -> Any:
+        return build_model("causal-lm", path=str(tiny_folder), dtype="float32")
+
+    requests = [dict(prompt=p, max_tokens=16) for p in PROMPTS]
+    async with open_runtime(model()) as runtime:
+        expected = [await texts(runtime, **r) for r in requests]
+    split = Placement.from_yaml(EXAMPLES / "prefill_decode.yaml")
+    async with open_runtime(model(), placement=split) as runtime:
+        got: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            got[i] = await texts(runtime, **requests[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(requests)):
+                tg.start_soon(one, i)
+    assert [got[i] for i in range(len(requests))] == expected
+    assert all(expected)
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_a_slow_consumer_on_another_worker_holds_the_producer_at_the_bound() -> None:
+    placement = Placement(nodes={"sink": 1})
+    async with open_runtime(build_slow_pipeline(), placement=placement) as runtime:
+        with anyio.fail_after(120):
+            async with runtime.generate(n=40) as outputs:
+                seen = [item async for item in outputs]
+        assert outputs.context is not None
+        edges = [c for c in outputs.context.channels if isinstance(c, EdgeSender)]
+    assert seen == list(range(1, 41))
+    (edge,) = edges
+    stats = edge.statistics()
+    # The producer ran ahead until the buffer was full, and never further.
+    assert stats.peak == BOUND
+    assert stats.pending == 0
