@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 LOOPS = [
@@ -13,3 +15,21 @@ LOOPS = [
 @pytest.fixture(params=LOOPS)
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face folder holding a tiny random Llama and a small byte-level BPE tokenizer."""
+    from tests.checkpoints.tiny import (
+        CHATML_TEMPLATE,
+        make_llama,
+        train_tokenizer,
+        write_hf_folder,
+    )
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = train_tokenizer("gpt2")
+    model = make_llama(tokenizer.get_vocab_size(), tied=False, seed=3)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
+    return folder

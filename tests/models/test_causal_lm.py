@@ -15,7 +15,6 @@ from mstar_async.models.causal_lm import build_causal_lm
 from mstar_async.models.checkpoints import ChatTokenizer
 from mstar_async.outputs import TextDelta
 from mstar_async.runtime import open_runtime
-from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_hf_folder
 
 PROMPTS = [
     "The capital of France is",
@@ -25,14 +24,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = train_tokenizer("gpt2")
-    model = make_llama(tokenizer.get_vocab_size(), tied=False, seed=3)
-    eos = tokenizer.token_to_id("<|im_end|>")
-    write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
-    return folder
+@pytest.fixture
+def tiny_folder(tiny_llama_folder: Path) -> Path:
+    return tiny_llama_folder
 
 
 async def generate_text(runtime: Any, **inputs: Any) -> str:

@@ -13,7 +13,6 @@ from mstar_async.outputs import TextDelta
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 from mstar_async.streams import EdgeSender
-from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_hf_folder
 from tests.worker.models import BOUND, build_slow_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
@@ -21,14 +20,9 @@ ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asy
 PROMPTS = ["The capital of France is", "def main():", "we'll see what they're saying"]
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = train_tokenizer("gpt2")
-    model = make_llama(tokenizer.get_vocab_size(), tied=False, seed=3)
-    eos = tokenizer.token_to_id("<|im_end|>")
-    write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
-    return folder
+@pytest.fixture
+def tiny_folder(tiny_llama_folder: Path) -> Path:
+    return tiny_llama_folder
 
 
 async def texts(runtime: Any, **inputs: Any) -> str:

@@ -1,0 +1,69 @@
+"""The benchmark harness's pure helpers, against hand-computed values."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from benchmarks.common import ProgressLog, Summary, percentile, ratio_table, summarize
+
+
+def test_percentile_interpolates_linearly_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]  # sorted: 1 2 3 4
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5  # rank 1.5: halfway between 2 and 3
+    assert percentile(values, 25) == 1.75  # rank 0.75
+    assert percentile([7.0], 90) == 7.0
+    assert percentile([10.0, 20.0, 30.0], 50) == 20.0
+
+
+def test_percentile_rejects_nothing_and_out_of_range() -> None:
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
+
+
+def test_summarize_gives_median_min_max_and_count() -> None:
+    assert summarize([3.0, 1.0, 2.0]) == Summary(2.0, 1.0, 3.0, 3)
+    assert summarize([5.0, 1.0]) == Summary(3.0, 1.0, 5.0, 2)
+    assert Summary(1.23456, 1.0, 2.0, 2).to_json() == {
+        "median": 1.2346,
+        "min": 1.0,
+        "max": 2.0,
+        "n": 2,
+    }
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_ratio_table_divides_within_each_round_then_summarises() -> None:
+    rounds = [
+        {"runtime": 100.0, "transformers": 10.0, "handloop": 125.0},
+        {"runtime": 60.0, "transformers": 20.0, "handloop": 50.0},
+        {"runtime": 80.0, "transformers": 10.0, "handloop": 100.0},
+    ]
+    table = ratio_table(rounds, [("runtime", "transformers"), ("runtime", "handloop")])
+    assert list(table) == ["runtime/transformers", "runtime/handloop"]
+    # Per round: 10, 3, 8 -> median 8 (the ratio of medians would be 80 / 10 = 8 as well,
+    # but the spread is the per-round one).
+    assert table["runtime/transformers"] == Summary(8.0, 3.0, 10.0, 3)
+    assert table["runtime/handloop"] == Summary(0.8, 0.8, 1.2, 3)
+
+
+def test_ratio_table_rejects_missing_systems_and_zero_denominators() -> None:
+    with pytest.raises(ValueError, match="lacks"):
+        ratio_table([{"runtime": 1.0}], [("runtime", "handloop")])
+    with pytest.raises(ValueError, match="not > 0"):
+        ratio_table([{"runtime": 1.0, "handloop": 0.0}], [("runtime", "handloop")])
+    with pytest.raises(ValueError, match="no rounds"):
+        ratio_table([], [("runtime", "handloop")])
+
+
+def test_progress_log_stamps_lines_on_its_stream() -> None:
+    stream = io.StringIO()
+    ProgressLog(stream)("loading")
+    line = stream.getvalue()
+    assert line.endswith("s] loading\n") and line.startswith("[")
