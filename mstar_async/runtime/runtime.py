@@ -15,6 +15,7 @@ from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
 from mstar_async.worker import BatchingLoop
+from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
 
 log = get_logger("mstar_async.runtime")
@@ -68,13 +69,16 @@ async def open_runtime(
     placement: Placement | None = None,
     max_batch_size: int = 256,
     max_batch_tokens: int = 512,
+    launcher: Launcher | None = None,
 ) -> AsyncIterator[Runtime]:
     """Serve ``model`` until the block exits.
 
     Without ``placement`` every engine is built in this process and one batching loop runs
     them. With one, each rank is a worker process that builds the engines placed on it (the
     model must come from the zoo's ``build_model`` or carry a ``source``), and each node step
-    goes to the rank placement names.
+    goes to the rank placement names. ``launcher`` starts those workers: child processes of
+    this one by default, or e.g. ``RayLauncher("auto")`` for Ray actors across a cluster (see
+    ``mstar_async.worker.launchers``); it needs a placement.
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.
@@ -83,16 +87,19 @@ async def open_runtime(
 
     Raises:
         PlacementError: the placement does not fit the model.
-        ValueError: a placement was given for a model that no other process can rebuild.
+        ValueError: a placement was given for a model that no other process can rebuild, or a
+            launcher without a placement.
         WorkerLost: a worker failed to start.
         Whatever a component factory raises while building its engine in this process.
     """
+    if launcher is not None and placement is None:
+        raise ValueError("a launcher starts worker ranks: pass a placement too")
     try:
         if placement is None:
             async with _in_process(model, max_batch_size, max_batch_tokens) as runtime:
                 yield runtime
         else:
-            async with _with_workers(model, placement, max_batch_tokens) as runtime:
+            async with _with_workers(model, placement, max_batch_tokens, launcher) as runtime:
                 yield runtime
     except BaseExceptionGroup as group:
         # The caller's own exception, not a group our task groups wrapped around it.
@@ -122,7 +129,7 @@ async def _in_process(
 
 @asynccontextmanager
 async def _with_workers(
-    model: Model, placement: Placement, max_batch_tokens: int
+    model: Model, placement: Placement, max_batch_tokens: int, launcher: Launcher | None
 ) -> AsyncIterator[Runtime]:
     resolved = placement.validate(model)
     if model.source is None:
@@ -132,7 +139,9 @@ async def _with_workers(
         )
     engines_on = {rank: resolved.engines_on(rank) for rank in range(resolved.ranks)}
     log.info("runtime.open", model=model.name, ranks=resolved.ranks)
-    async with WorkerPool(model.source, engines_on, max_batch_tokens=max_batch_tokens) as pool:
+    async with WorkerPool(
+        model.source, engines_on, max_batch_tokens=max_batch_tokens, launcher=launcher
+    ) as pool:
         async with Conductor(model, PlacedExecutor(resolved, pool)) as conductor:
             yield Runtime(model, conductor, pool=pool)
     log.info("runtime.close", model=model.name)

@@ -1,24 +1,25 @@
 """``WorkerPool``: one worker process per rank, started, supervised, restarted and stopped.
 
-The pool binds one ROUTER socket; each worker connects a DEALER with an identity naming its
-rank and generation (a restarted rank is a new peer, so no stale connection can take its
-messages). Steps are matched to replies by a sequence number. When a worker dies, its
-in-flight steps fail with ``WorkerLost`` naming the rank, and a new worker takes the rank.
+A ``Launcher`` starts the workers: child processes of this one by default (``LocalLauncher``),
+or Ray actors anywhere on a Ray cluster (``RayLauncher``). The pool binds one ROUTER socket (IPC,
+or TCP when the launcher's workers may live on other hosts); each worker connects a DEALER with
+an identity naming its rank and generation (a restarted rank is a new peer, so no stale
+connection can take its messages). Steps are matched to replies by a sequence number. When a
+worker dies, its in-flight steps fail with ``WorkerLost`` naming the rank, and a new worker
+takes the rank.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import anyio
-from anyio.abc import Process, TaskGroup
+from anyio.abc import TaskGroup
 
 from mstar_async.errors import MstarError, WorkerLost
 from mstar_async.graph import ModelSource
@@ -34,7 +35,8 @@ from mstar_async.transport import (
     TransportError,
     ZmqHub,
 )
-from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, identity
+from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
+from mstar_async.worker.main import WorkerConfig, identity
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
@@ -54,7 +56,7 @@ class _Rank:
     rank: int
     engines: frozenset[str]
     generation: int = 0
-    process: Process | None = None
+    worker: WorkerHandle | None = None
     ready: anyio.Event = field(default_factory=anyio.Event)
     in_flight: dict[int, _Waiter] = field(default_factory=dict)
     restarts: int = 0
@@ -71,6 +73,8 @@ class WorkerPool:
     each to say it is ready (``ready_timeout`` seconds); leaving asks them to shut down, waits
     ``stop_timeout`` seconds, then kills what is left. ``threads`` is each worker's torch thread
     count (default: the cores shared out between ranks, so ranks do not oversubscribe them).
+    ``launcher`` starts the workers (default: ``LocalLauncher()``, child processes over IPC); the
+    pool calls its ``open`` on entry, binds TCP if it names a host, and its ``aclose`` on exit.
 
     Raises:
         WorkerLost: a worker exited or failed to become ready in time while starting.
@@ -86,6 +90,7 @@ class WorkerPool:
         ready_timeout: float = 180.0,
         stop_timeout: float = 10.0,
         log_level: str = "WARNING",
+        launcher: Launcher | None = None,
     ) -> None:
         self.source = source
         self.ranks = {r: _Rank(r, frozenset(e)) for r, e in sorted(engines_on.items())}
@@ -94,9 +99,11 @@ class WorkerPool:
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.log_level = log_level
+        self.launcher: Launcher = launcher if launcher is not None else LocalLauncher()
         self._ids = itertools.count()
         self._hub: ZmqHub | None = None
         self._server: Server | None = None
+        self._endpoint = ""
         self._tg: TaskGroup | None = None
         self._closing = False
 
@@ -105,10 +112,19 @@ class WorkerPool:
     async def __aenter__(self) -> WorkerPool:
         register_wire_types()
         self._hub = ZmqHub()
-        self._server = self._hub.bind()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
+            host = await self.launcher.open()
+            if host is None:
+                self._server = self._hub.bind()
+                self._endpoint = self._server.endpoint
+            else:
+                # Every interface, since the address workers dial may not be one this host
+                # can bind by name; they are told the host the launcher named.
+                self._server = self._hub.bind("tcp://0.0.0.0:0")
+                port = self._server.endpoint.rsplit(":", 1)[1]
+                self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
             for state in self.ranks.values():
                 await self._start(state)
@@ -138,17 +154,19 @@ class WorkerPool:
         try:
             await self._tg.__aexit__(None, None, None)
         finally:
+            with anyio.CancelScope(shield=True):
+                await self.launcher.aclose()
             if self._hub is not None:
                 self._hub.close()
 
     async def _start(self, state: _Rank) -> None:
-        assert self._server is not None and self._tg is not None
+        assert self._tg is not None
         state.generation += 1
         state.ready = anyio.Event()
         config = WorkerConfig(
             rank=state.rank,
             generation=state.generation,
-            endpoint=self._server.endpoint,
+            endpoint=self._endpoint,
             source=self.source.to_dict(),
             engines=sorted(state.engines),
             parent_pid=os.getpid(),
@@ -156,44 +174,41 @@ class WorkerPool:
             max_batch_tokens=self.max_batch_tokens,
             log_level=self.log_level,
         )
-        env = {**os.environ, CONFIG_VARIABLE: config.to_json()}
-        state.process = await anyio.open_process(
-            [sys.executable, "-m", "mstar_async.worker.main"],
-            stdin=None,
-            stdout=None,
-            stderr=None,
-            env=env,
-        )
-        log.info(
-            "worker.start", rank=state.rank, pid=state.process.pid, generation=state.generation
-        )
-        self._tg.start_soon(self._supervise, state, state.process)
+        state.worker = await self.launcher.start(config)
+        log.info("worker.start", rank=state.rank, pid=state.worker.pid, generation=state.generation)
+        self._tg.start_soon(self._supervise, state, state.worker)
 
     async def _wait_ready(self, state: _Rank) -> None:
         await state.ready.wait()
-        if state.process is None or state.process.returncode is not None:
+        if state.worker is None or state.worker.returncode is not None:
             raise WorkerLost(f"worker rank {state.rank} exited before it was ready")
 
-    async def _supervise(self, state: _Rank, process: Process) -> None:
-        code = await process.wait()
-        if self._closing or process is not state.process:
+    async def _supervise(self, state: _Rank, worker: WorkerHandle) -> None:
+        code = await worker.wait()
+        if self._closing or worker is not state.worker:
             return
         lost = WorkerLost(
-            f"worker rank {state.rank} (pid {process.pid}) died with exit code {code}; "
+            f"worker rank {state.rank} (pid {worker.pid}) died with exit code {code}; "
             "its in-flight steps failed"
         )
-        log.warning("worker.lost", rank=state.rank, pid=process.pid, code=code)
+        log.warning("worker.lost", rank=state.rank, pid=worker.pid, code=code)
         state.ready.set()  # wake anyone waiting for a start that will not come
         for waiter in state.in_flight.values():
             waiter.error = lost
             waiter.done.set()
         state.in_flight.clear()
         state.restarts += 1
-        await self._start(state)
+        try:
+            await self._start(state)
+        except Exception as exc:
+            # The rank stays down (submit_to says so) rather than taking the pool with it: a
+            # launcher can fail where a fork would not (no free resources on a cluster).
+            log.error("worker.restart_failed", rank=state.rank, error=repr(exc))
+            state.ready.set()
 
     async def _stop_all(self) -> None:
         for state in self.ranks.values():
-            if state.process is not None and state.process.returncode is None:
+            if state.worker is not None and state.worker.returncode is None:
                 try:
                     assert self._server is not None
                     await self._server.send(state.identity, Shutdown())
@@ -201,12 +216,17 @@ class WorkerPool:
                     pass
         with anyio.move_on_after(self.stop_timeout):
             for state in self.ranks.values():
-                if state.process is not None:
-                    await state.process.wait()
+                if state.worker is not None:
+                    await state.worker.wait()
         for state in self.ranks.values():
-            if state.process is not None and state.process.returncode is None:
-                state.process.send_signal(signal.SIGKILL)
-                await state.process.wait()
+            if state.worker is not None and state.worker.returncode is None:
+                state.worker.kill()
+        # A local process is reaped at once; a remote worker's end is reported by its launcher,
+        # which may not answer (a lost cluster): bounded, and aclose() cleans up after it.
+        with anyio.move_on_after(self.stop_timeout):
+            for state in self.ranks.values():
+                if state.worker is not None:
+                    await state.worker.wait()
 
     # ------------------------------------------------------------------ traffic
 
@@ -245,7 +265,7 @@ class WorkerPool:
         state = self.ranks[rank]
         with anyio.fail_after(self.ready_timeout):
             await state.ready.wait()
-        if state.process is None or state.process.returncode is not None:
+        if state.worker is None or state.worker.returncode is not None:
             raise WorkerLost(f"worker rank {rank} is down")
         assert self._server is not None
         step_id = next(self._ids)
@@ -264,17 +284,25 @@ class WorkerPool:
     async def release_on(self, rank: int, request_id: str) -> None:
         """Tell ``rank``'s worker that ``request_id`` is over. Never raises."""
         state = self.ranks[rank]
-        if self._server is None or state.process is None or state.process.returncode is not None:
+        worker = state.worker
+        if self._server is None or worker is None or worker.returncode is not None:
             return
         try:
             await self._server.send(state.identity, Release(request_id))
         except TransportError:
             pass  # the worker is gone; it held nothing that survives it
 
+    @property
+    def endpoint(self) -> str:
+        """Where workers reach this pool (``ipc://...`` or ``tcp://HOST:PORT``); empty before
+        the pool is entered."""
+        return self._endpoint
+
     def pid(self, rank: int) -> int | None:
-        """The process id currently serving ``rank`` (None while it restarts)."""
-        process = self.ranks[rank].process
-        return None if process is None else process.pid
+        """The process id currently serving ``rank``, on its own host (None while it restarts,
+        or where the launcher cannot tell)."""
+        worker = self.ranks[rank].worker
+        return None if worker is None else worker.pid
 
     def restarts(self, rank: int) -> int:
         """How many times ``rank``'s worker was replaced after dying."""
