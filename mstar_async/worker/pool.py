@@ -72,7 +72,8 @@ class WorkerPool:
     Use as ``async with WorkerPool(...) as pool:``; entering starts every worker and waits for
     each to say it is ready (``ready_timeout`` seconds); leaving asks them to shut down, waits
     ``stop_timeout`` seconds, then kills what is left. ``threads`` is each worker's torch thread
-    count (default: the cores shared out between ranks, so ranks do not oversubscribe them).
+    count (default: the cores shared out between the ranks and this process, so nobody
+    oversubscribes them).
     ``launcher`` starts the workers (default: ``LocalLauncher()``, child processes over IPC); the
     pool calls its ``open`` on entry, binds TCP if it names a host, and its ``aclose`` on exit.
 
@@ -94,7 +95,9 @@ class WorkerPool:
     ) -> None:
         self.source = source
         self.ranks = {r: _Rank(r, frozenset(e)) for r, e in sorted(engines_on.items())}
-        self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.ranks)))
+        # The conductor's process computes too (detokenizing, chunking, small ops): it counts as a
+        # participant, or a lone worker's torch threads would spin against it for the cores.
+        self.threads = threads or max(1, (os.cpu_count() or 1) // (len(self.ranks) + 1))
         self.max_batch_tokens = max_batch_tokens
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
