@@ -109,9 +109,39 @@ def add_bench_parser(sub: Any) -> None:
         help="sequential transformers requests timed per repetition (4; --full: all)",
     )
     decode.add_argument(
+        "--retries",
+        type=int,
+        help="times a repetition disturbed by other processes is measured again (2; --quick: 0)",
+    )
+    decode.add_argument(
         "--folder", type=Path, help="a Llama/Qwen2 checkpoint folder (default: SmolLM2-135M)"
     )
     decode.set_defaults(handler=_decode)
+    transport = kinds.add_parser(
+        "transport",
+        help="ZeroMQ round trips and tensor throughput vs raw pyzmq and memory copies",
+        description=(
+            "Small-message round trips (IPC, TCP) against raw pyzmq, tensor throughput (1 MB, "
+            "64 MB) against a memory copy, and a streaming demo request at each placement."
+        ),
+    )
+    transport.add_argument("--quick", action="store_true", help="fewer round trips, 8 MB tensors")
+    transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
+    transport.set_defaults(handler=_transport)
+
+
+def _transport(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from benchmarks.transport import format_transport, run_transport
+
+        report = run_transport(quick=args.quick, repeat=1 if args.quick else args.repeat)
+    except MstarError as exc:
+        print(f"mstar bench transport: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_transport(report))
+    return 0
 
 
 def _decode(args: argparse.Namespace, _: list[str]) -> int:
@@ -129,6 +159,7 @@ def _decode(args: argparse.Namespace, _: list[str]) -> int:
             prompt_tokens=args.prompt_tokens,
             repeat=args.repeat,
             transformers_requests=args.transformers_requests,
+            retries=args.retries,
         )
         report = run_decode_sync(config)
     except MstarError as exc:

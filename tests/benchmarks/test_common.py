@@ -6,7 +6,16 @@ import io
 
 import pytest
 
-from benchmarks.common import ProgressLog, Summary, percentile, ratio_table, summarize
+from benchmarks.common import (
+    CpuSample,
+    ProgressLog,
+    Summary,
+    cpu_sample,
+    foreign_cores,
+    percentile,
+    ratio_table,
+    summarize,
+)
 
 
 def test_percentile_interpolates_linearly_between_ranks() -> None:
@@ -67,3 +76,22 @@ def test_progress_log_stamps_lines_on_its_stream() -> None:
     ProgressLog(stream)("loading")
     line = stream.getvalue()
     assert line.endswith("s] loading\n") and line.startswith("[")
+
+
+def test_foreign_cores_is_busy_time_not_ours_over_wall_time() -> None:
+    start = CpuSample(wall=10.0, busy=100.0, own=40.0)
+    # 4 s of wall time: all CPUs were busy 7 s, 5 s of it ours -> others kept 0.5 cores busy.
+    assert foreign_cores(start, CpuSample(wall=14.0, busy=107.0, own=45.0)) == 0.5
+    # Clock ticks can make our own time exceed the total a little: never below zero.
+    assert foreign_cores(start, CpuSample(wall=14.0, busy=104.0, own=44.5)) == 0.0
+    assert foreign_cores(start, CpuSample(wall=14.0, busy=None, own=45.0)) is None
+    assert foreign_cores(start, CpuSample(wall=10.0, busy=100.0, own=40.0)) is None
+
+
+def test_cpu_sample_reads_monotonic_clocks() -> None:
+    first = cpu_sample()
+    sum(range(200_000))  # some CPU time of our own
+    second = cpu_sample()
+    assert second.wall > first.wall and second.own >= first.own
+    if first.busy is not None and second.busy is not None:
+        assert second.busy >= first.busy

@@ -1,0 +1,110 @@
+"""The transport benchmark, run once in quick mode.
+
+No timing is asserted (the machine may be busy): only that the result has every transport,
+tensor size, placement and aim, that it is JSON-ready, and that the text report shows them all.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from benchmarks.common import quiet
+from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_transport
+
+MESSAGES = ("ping", "step")
+
+
+# Module scope: the benchmark runs once for every test here. run_transport is synchronous and
+# makes its own event loop, so nothing here is parametrised over the conftest's event loops.
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    out = run_transport(quick=True, repeat=1, progress=quiet)
+    parsed: dict[str, Any] = json.loads(json.dumps(out))  # JSON-ready, and the same after
+    assert parsed == out
+    return out
+
+
+def test_shape_and_workload(result: dict[str, Any]) -> None:
+    assert result["benchmark"] == "transport"
+    assert result["workload"]["mode"] == "quick"
+    assert result["workload"]["tensor_sizes"] == [1 << 20, 8 << 20]
+    assert result["workload"]["large_tensor_bytes"] == 8 << 20
+    assert any("8 MB" in note for note in result["workload"]["notes"])
+    assert result["machine"]["cpu_count"] >= 1
+    assert result["seconds_total"] > 0
+
+
+def test_latency_has_ours_and_raw_for_every_transport(result: dict[str, Any]) -> None:
+    found = {(e["transport"], e["message"]): e for e in result["latency"]}
+    assert set(found) == {(t, m) for t in TRANSPORTS for m in MESSAGES}
+    for entry in found.values():
+        assert entry["ours_p50_us"]["median"] > 0
+        assert entry["ours_p90_us"]["median"] >= entry["ours_p50_us"]["median"] > 0
+        assert entry["raw_p50_us"]["median"] > 0
+        assert entry["ratio_ours_raw"]["median"] > 0
+        assert entry["ratio_ours_raw"]["n"] == 1
+
+
+def test_throughput_has_every_size_and_system(result: dict[str, Any]) -> None:
+    assert [e["size_bytes"] for e in result["throughput"]] == [1 << 20, 8 << 20]
+    for entry in result["throughput"]:
+        systems = entry["systems"]
+        assert set(systems) == {"copy", "clone", "ipc", "tcp", "inproc"}
+        for system in systems.values():
+            assert system["gb_per_s"]["median"] > 0
+            assert system["ms"]["median"] > 0
+        for transport in TRANSPORTS:
+            assert isinstance(systems[transport]["zero_copy_recv"], bool)
+        assert systems["inproc"]["copies"] == 0
+        assert set(entry["ratios"]) == {"ipc/copy", "ipc/clone", "tcp/copy"}
+
+
+def test_every_placement_streams_audio_before_it_ends(result: dict[str, Any]) -> None:
+    placements = {e["placement"]: e for e in result["placements"]}
+    assert list(placements) == list(PLACEMENTS)
+    assert [placements[p]["processes"] for p in PLACEMENTS] == [0, 1, 2]
+    for entry in placements.values():
+        assert entry["requests"] == 2
+        assert len(entry["ttfa_ms_samples"]) == len(entry["total_ms_samples"]) == 2
+        for ttfa, total in zip(entry["ttfa_ms_samples"], entry["total_ms_samples"], strict=True):
+            assert 0 < ttfa <= total
+        assert 0 < entry["ttfa_ms"]["median"] <= entry["total_ms"]["median"]
+        assert entry["startup_s"] > 0
+        assert entry["audio_chunks"] > 0 and entry["audio_seconds"] > 0
+        assert entry["torch_threads"] >= 1
+
+
+def test_every_aim_is_judged(result: dict[str, Any]) -> None:
+    aims = result["aims"]
+    assert len(aims) == len(TRANSPORTS) * len(MESSAGES) + 1
+    for aim in aims:
+        assert isinstance(aim["met"], bool)
+        assert aim["measured"] > 0 and aim["target"] > 0
+    texts = [aim["aim"] for aim in aims]
+    for transport in TRANSPORTS:
+        assert sum(f"over {transport}" in text for text in texts) == len(MESSAGES)
+    assert "IPC throughput of a 8 MB tensor" in texts[-1]
+
+
+def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
+    text = format_transport(result)
+    rows = text.splitlines()
+    for transport in TRANSPORTS:
+        for message in MESSAGES:
+            assert any(
+                row.split("|")[:2] == [f"{transport:>9} ", f" {message:>9} "] for row in rows
+            ), (transport, message)
+    for label in ("1 MB", "8 MB"):
+        for system in ("copy_ (baseline)", "torch.clone", "ipc", "tcp", "in-process hand-over"):
+            assert any(row.startswith(f"{label:>6} |") and f" {system} |" in row for row in rows), (
+                label,
+                system,
+            )
+    for placement in PLACEMENTS:
+        assert any(row.startswith(f"{placement:>12} |") for row in rows), placement
+    for aim in result["aims"]:
+        assert aim["aim"] in text
+    assert text.count("NOT met") == sum(not aim["met"] for aim in result["aims"])
