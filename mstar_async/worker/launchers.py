@@ -26,12 +26,11 @@ from functools import partial
 from typing import Any, Protocol
 
 import anyio
-import torch
 from anyio.abc import Process
 
 from mstar_async.errors import MstarError, WorkerLost
-from mstar_async.logs import configure_logging, get_logger
-from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, serve
+from mstar_async.logs import get_logger
+from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, run_worker
 
 __all__ = ["Launcher", "LocalLauncher", "RayLauncher", "WorkerHandle"]
 
@@ -262,16 +261,7 @@ def _run_in_actor(config_json: str, gpu_ids: list[str]) -> int:
     # The pool's pid means nothing on another host. An actor's parent is its node's raylet:
     # watching that ends the worker if Ray goes away under it (the pool, through Ray, ends it
     # in every other case).
-    config = replace(config, parent_pid=os.getppid())
-    configure_logging(config.log_level)
-    torch.set_num_threads(max(1, config.threads))
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        anyio.run(serve, config)
-    else:
-        anyio.run(serve, config, backend_options={"use_uvloop": True})
-    return 0
+    return run_worker(replace(config, parent_pid=os.getppid()))
 
 
 def _actor_class(ray: Any) -> Any:

@@ -128,7 +128,16 @@ def main() -> int:
     """Entry point of a worker process; returns its exit status."""
     die_with_parent()
     ignore_interrupts()
-    config = WorkerConfig.from_json(os.environ[CONFIG_VARIABLE])
+    return run_worker(WorkerConfig.from_json(os.environ[CONFIG_VARIABLE]))
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Serve as a worker on a new event loop in this thread (uvloop when installed); returns
+    the exit status once the worker stops.
+
+    Raises:
+        Whatever ``serve`` raises.
+    """
     configure_logging(config.log_level)
     torch.set_num_threads(max(1, config.threads))
     try:
