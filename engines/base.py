@@ -65,11 +65,6 @@ class Engine(Protocol):
         ...
 
 
-def one_shot_cost(step: Step) -> int:
-    """The cost of a step that always finishes in one forward."""
-    return 1
-
-
 def group_by_op(steps: Sequence[Step]) -> dict[str, list[int]]:
     """Indices of ``steps`` grouped by op, in first-seen order."""
     groups: dict[str, list[int]] = {}
@@ -78,4 +73,4 @@ def group_by_op(steps: Sequence[Step]) -> dict[str, list[int]]:
     return groups
 
 
-__all__ = ["WAIT", "Engine", "Step", "StepResult", "Wait", "group_by_op", "one_shot_cost"]
+__all__ = ["WAIT", "Engine", "Step", "StepResult", "Wait", "group_by_op"]

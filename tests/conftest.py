@@ -18,7 +18,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face folder holding a tiny random Llama and a small byte-level BPE tokenizer."""
     from tests.checkpoints.tiny import (
         CHATML_TEMPLATE,

@@ -38,7 +38,7 @@ REPEAT = 2
 
 
 @pytest.fixture(scope="module")
-def report(tiny_llama_folder: Path) -> dict[str, Any]:
+def report(tiny_folder: Path) -> dict[str, Any]:
     """One run through the CLI, as a user types it: JSON on stdout and nothing else there."""
     out, err = io.StringIO(), io.StringIO()
     argv = [
@@ -47,7 +47,7 @@ def report(tiny_llama_folder: Path) -> dict[str, Any]:
         "--json",
         "--full",  # every transformers request timed, so all three make N * new tokens
         "--folder",
-        str(tiny_llama_folder),
+        str(tiny_folder),
         "--dtype",
         "both",
         "--concurrency",
@@ -128,8 +128,8 @@ def test_check_tokens_rejects_a_system_that_made_fewer() -> None:
     assert check_tokens(exact).tokens_per_s == 5.0
 
 
-def test_prompts_encode_to_exactly_the_requested_length(tiny_llama_folder: Path) -> None:
-    tokenizer = ChatTokenizer.from_folder(tiny_llama_folder)
+def test_prompts_encode_to_exactly_the_requested_length(tiny_folder: Path) -> None:
+    tokenizer = ChatTokenizer.from_folder(tiny_folder)
     prompts = build_prompts(tokenizer, 6, 20)
     assert len({p.text for p in prompts}) == 6  # all different
     for prompt in prompts:

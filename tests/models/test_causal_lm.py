@@ -13,8 +13,8 @@ import torch
 from mstar_async.errors import KVCacheFull, RequestError
 from mstar_async.models.causal_lm import build_causal_lm
 from mstar_async.models.checkpoints import ChatTokenizer
-from mstar_async.outputs import TextDelta
 from mstar_async.runtime import open_runtime
+from tests.requests import collect_text
 
 PROMPTS = [
     "The capital of France is",
@@ -22,17 +22,6 @@ PROMPTS = [
     "héllo wörld, naïve café! 12345 apples and 678 pears. It's what they're saying",
     "we'll see",
 ]
-
-
-@pytest.fixture
-def tiny_folder(tiny_llama_folder: Path) -> Path:
-    return tiny_llama_folder
-
-
-async def generate_text(runtime: Any, **inputs: Any) -> str:
-    with anyio.fail_after(60):
-        async with runtime.generate(**inputs) as outputs:
-            return "".join([item.text async for item in outputs if isinstance(item, TextDelta)])
 
 
 def transformers_greedy(folder: Path, prompt: str, max_new_tokens: int) -> str:
@@ -58,7 +47,7 @@ async def test_greedy_text_matches_transformers(tiny_folder: Path) -> None:
     model = build_causal_lm(tiny_folder, dtype="float32")
     async with open_runtime(model) as runtime:
         for prompt in PROMPTS[:2]:
-            ours = await generate_text(runtime, prompt=prompt, max_tokens=32)
+            ours = await collect_text(runtime, prompt=prompt, max_tokens=32)
             assert ours == transformers_greedy(tiny_folder, prompt, 32)
 
 
@@ -67,11 +56,11 @@ async def test_concurrent_requests_batch_and_match_requests_alone(tiny_folder: P
     model = build_causal_lm(tiny_folder, dtype="float32")
     requests = [dict(prompt=p, max_tokens=8 + 5 * i) for i, p in enumerate(PROMPTS)] * 2
     async with open_runtime(model) as runtime:
-        alone = [await generate_text(runtime, **r) for r in requests]
+        alone = [await collect_text(runtime, **r) for r in requests]
         together: dict[int, str] = {}
 
         async def one(i: int) -> None:
-            together[i] = await generate_text(runtime, **requests[i])
+            together[i] = await collect_text(runtime, **requests[i])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(requests)):
@@ -82,11 +71,13 @@ async def test_concurrent_requests_batch_and_match_requests_alone(tiny_folder: P
 
 
 @pytest.mark.anyio
-async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(tiny_folder: Path) -> None:
+async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(
+    tiny_folder: Path,
+) -> None:
     long_prompt = " ".join(PROMPTS * 3)
     model = build_causal_lm(tiny_folder, dtype="float32")
     async with open_runtime(model) as runtime:
-        expected = await generate_text(runtime, prompt=long_prompt, max_tokens=12)
+        expected = await collect_text(runtime, prompt=long_prompt, max_tokens=12)
     async with open_runtime(model, max_batch_tokens=16) as runtime:
         engine = runtime.batching.engines["lm"]
         costs: list[list[int]] = []
@@ -110,7 +101,7 @@ async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(tiny_fold
 
         async def long() -> None:
             await short_started.wait()
-            results["long"] = await generate_text(runtime, prompt=long_prompt, max_tokens=12)
+            results["long"] = await collect_text(runtime, prompt=long_prompt, max_tokens=12)
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -124,11 +115,13 @@ async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(tiny_fold
 
 
 @pytest.mark.anyio
-async def test_kv_blocks_return_to_the_pool_after_finish_and_cancel(tiny_folder: Path) -> None:
+async def test_kv_blocks_return_to_the_pool_after_finish_and_cancel(
+    tiny_folder: Path,
+) -> None:
     model = build_causal_lm(tiny_folder, dtype="float32")
     async with open_runtime(model) as runtime:
         engine = runtime.batching.engines["lm"]
-        await generate_text(runtime, prompt=PROMPTS[2], max_tokens=10)
+        await collect_text(runtime, prompt=PROMPTS[2], max_tokens=10)
         assert engine.blocks_in_use == 0
         with anyio.fail_after(30):
             async with runtime.generate(prompt=PROMPTS[2], max_tokens=500) as outputs:
@@ -146,18 +139,18 @@ async def test_a_full_pool_makes_requests_wait_and_an_impossible_one_fail(
     blocks, per_block = 6, 2 * 2 * 2 * 16 * 16 * 4
     model = build_causal_lm(tiny_folder, dtype="float32", kv_cache_bytes=blocks * per_block)
     async with open_runtime(model) as runtime:
-        alone = await generate_text(runtime, prompt=PROMPTS[2], max_tokens=20)
+        alone = await collect_text(runtime, prompt=PROMPTS[2], max_tokens=20)
         results = []
 
         async def one() -> None:
-            results.append(await generate_text(runtime, prompt=PROMPTS[2], max_tokens=20))
+            results.append(await collect_text(runtime, prompt=PROMPTS[2], max_tokens=20))
 
         async with anyio.create_task_group() as tg:
             for _ in range(4):
                 tg.start_soon(one)
         assert results == [alone] * 4
         with pytest.raises(RequestError) as caught:
-            await generate_text(runtime, prompt=" ".join(PROMPTS * 6), max_tokens=4)
+            await collect_text(runtime, prompt=" ".join(PROMPTS * 6), max_tokens=4)
         assert isinstance(caught.value.__cause__, KVCacheFull)
         assert "needs KV for 503 tokens but the whole cache holds 96" in str(caught.value)
         assert runtime.batching.engines["lm"].blocks_in_use == 0
@@ -168,16 +161,16 @@ async def test_seeded_sampling_is_reproducible_under_concurrency(tiny_folder: Pa
     model = build_causal_lm(tiny_folder, dtype="float32")
     sampled = dict(prompt=PROMPTS[0], max_tokens=16, temperature=0.9, top_p=0.95, top_k=50)
     async with open_runtime(model) as runtime:
-        alone = [await generate_text(runtime, seed=s, **sampled) for s in (1, 2)]
+        alone = [await collect_text(runtime, seed=s, **sampled) for s in (1, 2)]
         together: dict[int, str] = {}
 
         async def one(seed: int) -> None:
-            together[seed] = await generate_text(runtime, seed=seed, **sampled)
+            together[seed] = await collect_text(runtime, seed=seed, **sampled)
 
         async with anyio.create_task_group() as tg:
             for seed in (1, 2):
                 tg.start_soon(one, seed)
-            tg.start_soon(functools.partial(generate_text, runtime, prompt="we", max_tokens=16))
+            tg.start_soon(functools.partial(collect_text, runtime, prompt="we", max_tokens=16))
     assert [together[1], together[2]] == alone
     assert alone[0] != alone[1]
 
@@ -189,8 +182,8 @@ async def test_chat_messages_use_the_chat_template(tiny_folder: Path) -> None:
     messages = [{"role": "user", "content": "we'll see"}]
     rendered = tokenizer.apply_chat_template(messages)
     async with open_runtime(model) as runtime:
-        by_messages = await generate_text(runtime, messages=messages, max_tokens=6)
-        by_prompt = await generate_text(runtime, prompt=rendered, max_tokens=6)
+        by_messages = await collect_text(runtime, messages=messages, max_tokens=6)
+        by_prompt = await collect_text(runtime, prompt=rendered, max_tokens=6)
     assert by_messages == by_prompt
 
 
@@ -203,9 +196,9 @@ def test_torch_compile_option_leaves_outputs_unchanged(tiny_folder: Path) -> Non
 
     async def both() -> tuple[str, str]:
         async with open_runtime(eager) as runtime:
-            expected = await generate_text(runtime, prompt=PROMPTS[0], max_tokens=12)
+            expected = await collect_text(runtime, prompt=PROMPTS[0], max_tokens=12)
         async with open_runtime(compiled) as runtime:
-            got = await generate_text(runtime, prompt=PROMPTS[0], max_tokens=12)
+            got = await collect_text(runtime, prompt=PROMPTS[0], max_tokens=12)
         return expected, got
 
     expected, got = anyio.run(both)

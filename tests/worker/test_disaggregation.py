@@ -9,10 +9,10 @@ import anyio
 import pytest
 
 from mstar_async.models import build_model
-from mstar_async.outputs import TextDelta
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 from mstar_async.streams import EdgeSender
+from tests.requests import collect_text
 from tests.worker.models import BOUND, build_slow_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
@@ -20,32 +20,23 @@ ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asy
 PROMPTS = ["The capital of France is", "def main():", "we'll see what they're saying"]
 
 
-@pytest.fixture
-def tiny_folder(tiny_llama_folder: Path) -> Path:
-    return tiny_llama_folder
-
-
-async def texts(runtime: Any, **inputs: Any) -> str:
-    with anyio.fail_after(120):
-        async with runtime.generate(**inputs) as outputs:
-            return "".join([o.text async for o in outputs if isinstance(o, TextDelta)])
-
-
 @ONE_LOOP
 @pytest.mark.anyio
-async def test_prefill_decode_split_moves_the_kv_and_changes_no_token(tiny_folder: Path) -> None:
+async def test_prefill_decode_split_moves_the_kv_and_changes_no_token(
+    tiny_folder: Path,
+) -> None:
     def model() -> Any:
         return build_model("causal-lm", path=str(tiny_folder), dtype="float32")
 
     requests = [dict(prompt=p, max_tokens=16) for p in PROMPTS]
     async with open_runtime(model()) as runtime:
-        expected = [await texts(runtime, **r) for r in requests]
+        expected = [await collect_text(runtime, **r) for r in requests]
     split = Placement.from_yaml(EXAMPLES / "prefill_decode.yaml")
     async with open_runtime(model(), placement=split) as runtime:
         got: dict[int, str] = {}
 
         async def one(i: int) -> None:
-            got[i] = await texts(runtime, **requests[i])
+            got[i] = await collect_text(runtime, **requests[i])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(requests)):
