@@ -241,9 +241,7 @@ class BlockCausalKVEngine:
 
     def _fit(self, steps: Sequence[Step], chunks: list[int]) -> tuple[list[int], list[StepResult]]:
         results: list[StepResult] = [None] * len(steps)
-        wanted: dict[Hashable, int] = {
-            s.request_id: n for s, n in zip(steps, chunks, strict=True)
-        }
+        wanted: dict[Hashable, int] = {s.request_id: n for s, n in zip(steps, chunks, strict=True)}
         if self.allocator.can_append_batch(wanted):
             return list(range(len(steps))), results
         admitted: list[int] = []
@@ -287,18 +285,14 @@ class BlockCausalKVEngine:
         self, steps: Sequence[Step], chunks: list[int], admitted: list[int]
     ) -> dict[int, dict[str, Any]]:
         plans = self.allocator.append_batch({steps[i].request_id: chunks[i] for i in admitted})
-        layout = [
-            (self.allocator.block_table(p.seq_id), p.start, p.num_new_tokens) for p in plans
-        ]
+        layout = [(self.allocator.block_table(p.seq_id), p.start, p.num_new_tokens) for p in plans]
         attention = BlockCausalAttention(self.cache, layout, self.device)
         pieces = []
         for i in admitted:
             pending = self._pending[steps[i].request_id]
             pieces.append(pending.tokens[: chunks[i]])
         x = torch.cat(pieces)
-        positions = torch.cat(
-            [torch.arange(p.start, p.end, device=self.device) for p in plans]
-        )
+        positions = torch.cat([torch.arange(p.start, p.end, device=self.device) for p in plans])
         hidden = self.model.forward(x, positions, attention)
         finishing: list[int] = []
         last: list[torch.Tensor] = []

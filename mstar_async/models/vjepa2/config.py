@@ -49,9 +49,7 @@ class VJEPA2Config:
             (self.predictor_dim, self.predictor_heads, "predictor"),
         ):
             if dim % heads or (dim // heads) % 2:
-                raise ValueError(
-                    f"{name}_dim {dim} must split into {heads} heads of an even size"
-                )
+                raise ValueError(f"{name}_dim {dim} must split into {heads} heads of an even size")
 
     @property
     def grid(self) -> int:
@@ -78,10 +76,10 @@ SIZES: dict[str, VJEPA2Config] = {
         image_size=128,
         patch_size=16,
         encoder_dim=192,
-        encoder_depth=4,
+        encoder_depth=2,
         encoder_heads=3,
-        predictor_dim=256,
-        predictor_depth=6,
+        predictor_dim=192,
+        predictor_depth=4,
         predictor_heads=4,
         context_frames=1,
         kv_frames=320,

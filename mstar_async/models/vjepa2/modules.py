@@ -210,6 +210,7 @@ class ACPredictor(nn.Module):
         self.predictor_norm = nn.LayerNorm(dim, eps=1e-6)
         self.predictor_proj = nn.Linear(dim, cfg.encoder_dim)
         _init_weights(self, self.predictor_blocks)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -228,13 +229,28 @@ class ACPredictor(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables for tokens at absolute ``positions`` of a request's token sequence."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self._rope is None or self._rope[0].shape[0] < needed:
+            # Why a table kept across calls: a rollout step needs one frame's rows, and
+            # computing sines afresh for every forward costs as much as a small layer.
+            self._rope = self._rope_rows(
+                max(needed, 2 * (0 if self._rope is None else self._rope[0].shape[0]))
+            )
+        cos, sin = self._rope
+        return cos[positions], sin[positions]
+
+    def _rope_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
+        n = -(-n // cfg.tokens_per_frame) * cfg.tokens_per_frame
+        positions = torch.arange(n)
         frame = positions // cfg.tokens_per_frame
         patch = positions % cfg.tokens_per_frame - cfg.cond_tokens
         is_patch = patch >= 0
         row = torch.where(is_patch, patch // cfg.grid, 0)
         col = torch.where(is_patch, patch % cfg.grid, 0)
-        return rope_tables(self.head_dim, frame, row, col)
+        device = self.predictor_embed.weight.device
+        cos, sin = rope_tables(self.head_dim, frame, row, col)
+        return cos.to(device), sin.to(device)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attend: LayerAttend
