@@ -129,6 +129,54 @@ def add_bench_parser(sub: Any) -> None:
     transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
     transport.set_defaults(handler=_transport)
+    _add_rollout_parser(kinds)
+
+
+def _add_rollout_parser(kinds: Any) -> None:
+    rollout = kinds.add_parser(
+        "rollout",
+        help="world-model rollout: KV-cached DynamicLoop vs recomputing the context each step",
+        description=(
+            "Seconds per vjepa2 rollout (small size) through the runtime with the predictor's "
+            "KV cache, against the reference loop that re-runs the predictor over the whole "
+            "growing context every step, at horizons 4, 8, 16, 30 (3 repetitions)."
+        ),
+    )
+    rollout.add_argument("--quick", action="store_true", help="horizons 4, 8, 16; 1 repetition")
+    rollout.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    rollout.add_argument("--horizons", type=_concurrency, help="comma-separated (4,8,16,30)")
+    rollout.add_argument("--repeat", type=_positive, help="repetitions per horizon (3)")
+    rollout.add_argument("--threads", type=_positive, help="torch threads (1)")
+    rollout.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
+    rollout.add_argument("--plot", type=Path, help="also draw the figures into this PNG")
+    rollout.set_defaults(handler=_rollout)
+
+
+def _rollout(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from dataclasses import replace
+
+        from benchmarks.common import ProgressLog
+        from benchmarks.rollout import format_rollout, plot_rollout, preset, run_rollout
+
+        config = preset("quick" if args.quick else "default")
+        changes = {
+            "horizons": args.horizons,
+            "repeat": args.repeat,
+            "threads": args.threads,
+            "size": args.size,
+        }
+        config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+        report = run_rollout(config, ProgressLog())
+    except MstarError as exc:
+        print(f"mstar bench rollout: {exc}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        skipped = plot_rollout(report, args.plot)
+        print(skipped or f"plot written to {args.plot}", file=sys.stderr)
+    print(json.dumps(report, indent=2) if args.json else format_rollout(report))
+    return 0
 
 
 def _transport(args: argparse.Namespace, _: list[str]) -> int:
