@@ -35,7 +35,6 @@ import anyio
 import torch
 
 from benchmarks.common import (
-    ProgressLog,
     cpu_sample,
     foreign_cores,
     machine_info,
@@ -45,8 +44,14 @@ from benchmarks.common import (
 )
 from mstar_async.errors import MstarError
 from mstar_async.models import build_model
-from mstar_async.models.vjepa2 import make_config, random_inputs, recompute_rollout
+from mstar_async.models.vjepa2 import (
+    VJEPA2Config,
+    make_config,
+    random_inputs,
+    recompute_rollout,
+)
 from mstar_async.models.vjepa2.engines import seeded
+from mstar_async.models.vjepa2.modules import ACPredictor, VisionEncoder
 from mstar_async.outputs import LatentOutput
 from mstar_async.runtime import Runtime, open_runtime
 
@@ -109,9 +114,11 @@ async def _cached(runtime: Runtime, horizon: int, seed: int) -> tuple[float, lis
     return elapsed, latents
 
 
-def _recompute(models: Any, cfg: Any, horizon: int, seed: int) -> tuple[float, list[torch.Tensor]]:
+def _recompute(
+    models: tuple[VisionEncoder, ACPredictor], cfg: VJEPA2Config, horizon: int, seed: int
+) -> tuple[float, list[torch.Tensor]]:
     started = time.perf_counter()
-    latents = recompute_rollout(*models, random_inputs(cfg, horizon, seed))
+    latents = recompute_rollout(models[0], models[1], random_inputs(cfg, horizon, seed))
     return time.perf_counter() - started, latents
 
 
@@ -278,9 +285,7 @@ def plot_rollout(report: dict[str, Any], path: Path) -> str | None:
     right.set_ylabel("speedup (recompute / cached)")
     right.legend()
     w = report["workload"]
-    fig.suptitle(
-        f"vjepa2 {w['size']} rollout, {w['predictor_tokens_per_frame']} tokens per frame"
-    )
+    fig.suptitle(f"vjepa2 {w['size']} rollout, {w['predictor_tokens_per_frame']} tokens per frame")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -98,9 +98,7 @@ def drive(requests: list[Request], budgets: list[int], engine: Any) -> int:
 
 @settings(max_examples=8, deadline=None)
 @given(
-    shapes=st.lists(
-        st.tuples(st.integers(1, 5), st.integers(1, 3)), min_size=1, max_size=3
-    ),
+    shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3)), min_size=1, max_size=3),
     budgets=st.lists(st.sampled_from([0, 1, 18, 40, 100]), min_size=1, max_size=3),
 )
 def test_any_batching_and_budget_gives_the_dense_predictions(

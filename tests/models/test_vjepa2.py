@@ -3,6 +3,7 @@ that re-runs the predictor over the whole context every step (fp32, within 1e-4)
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -129,3 +130,15 @@ async def test_bad_inputs_fail_with_a_message_naming_them(
     async with open_runtime(build_model("vjepa2")) as runtime:
         with pytest.raises(RequestError, match=message):
             await rollout(runtime, **inputs)
+
+
+def test_mstar_run_prints_each_latent_and_the_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from mstar_async.cli import main
+
+    assert main(["run", "vjepa2", "--horizon", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [f"latent step {i}: 16x32" for i in range(3)]
+    assert lines[3].startswith("first output after") and "request took" in lines[3]
+    assert main(["run", "vjepa2", "--horizon", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["latents"] == [{"step": i, "shape": [16, 32]} for i in range(2)]

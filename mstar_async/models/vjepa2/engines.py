@@ -124,7 +124,8 @@ class ACPredictorFrames:
         self, x: torch.Tensor, positions: torch.Tensor, attention: LayerAttention
     ) -> torch.Tensor:
         """The predictor's blocks over flat tokens."""
-        return self.predictor(x, positions, attention)
+        hidden: torch.Tensor = self.predictor(x, positions, attention)
+        return hidden
 
     def finish(self, steps: Sequence[Step], last_frames: torch.Tensor) -> list[dict[str, Any]]:
         """Predicted latents, the states they are predicted in, and the next plan index."""

@@ -53,7 +53,7 @@ def rope_tables(
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs ``(x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin)``."""
-    pairs = x.unflatten(-1, (-1, 2))
+    pairs = x.view(*x.shape[:-1], -1, 2)
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
 
@@ -70,9 +70,11 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
+        qkv: torch.Tensor = self.qkv(x)
+        q, k, v = qkv.view(*x.shape[:-1], 3, self.num_heads, -1).unbind(-3)
         out = attend(rotate(q, cos, sin), rotate(k, cos, sin), v)
-        return self.proj(out.flatten(-2))
+        projected: torch.Tensor = self.proj(out.flatten(-2))
+        return projected
 
 
 class MLP(nn.Module):
@@ -85,7 +87,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
+        return out
 
 
 class Block(nn.Module):
@@ -102,7 +105,8 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, attend)
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 def dense_attend(mask: torch.Tensor | None = None) -> Attend:
@@ -142,7 +146,8 @@ class PatchEmbed3D(nn.Module):
 
     def forward(self, video: torch.Tensor) -> torch.Tensor:
         """``[n, channels, time, height, width]`` -> ``[n, tokens, dim]``."""
-        return self.proj(video).flatten(2).transpose(1, 2)
+        tokens: torch.Tensor = self.proj(video)
+        return tokens.flatten(2).transpose(1, 2)
 
 
 class VisionEncoder(nn.Module):

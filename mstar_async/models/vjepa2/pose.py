@@ -15,10 +15,11 @@ def euler_to_matrix(angles: torch.Tensor) -> torch.Tensor:
     cx, cy, cz = angles.cos().unbind(-1)
     sx, sy, sz = angles.sin().unbind(-1)
     one, zero = torch.ones_like(cx), torch.zeros_like(cx)
-    rx = torch.stack([one, zero, zero, zero, cx, -sx, zero, sx, cx], -1).unflatten(-1, (3, 3))
-    ry = torch.stack([cy, zero, sy, zero, one, zero, -sy, zero, cy], -1).unflatten(-1, (3, 3))
-    rz = torch.stack([cz, -sz, zero, sz, cz, zero, zero, zero, one], -1).unflatten(-1, (3, 3))
-    return rz @ ry @ rx
+    rx = torch.stack([one, zero, zero, zero, cx, -sx, zero, sx, cx], -1).view(*cx.shape, 3, 3)
+    ry = torch.stack([cy, zero, sy, zero, one, zero, -sy, zero, cy], -1).view(*cx.shape, 3, 3)
+    rz = torch.stack([cz, -sz, zero, sz, cz, zero, zero, zero, one], -1).view(*cx.shape, 3, 3)
+    rotation: torch.Tensor = rz @ ry @ rx
+    return rotation
 
 
 def matrix_to_euler(matrix: torch.Tensor) -> torch.Tensor:
