@@ -148,6 +148,9 @@ def _add_rollout_parser(kinds: Any) -> None:
     rollout.add_argument("--repeat", type=_positive, help="repetitions per horizon (3)")
     rollout.add_argument("--threads", type=_positive, help="torch threads (1)")
     rollout.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
+    rollout.add_argument(
+        "--image-size", type=_positive, help="frame size in pixels, 16-px patches (128)"
+    )
     rollout.add_argument("--plot", type=Path, help="also draw the figures into this PNG")
     rollout.set_defaults(handler=_rollout)
 
@@ -168,6 +171,8 @@ def _rollout(args: argparse.Namespace, _: list[str]) -> int:
             "size": args.size,
         }
         config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+        if args.image_size is not None:
+            config = replace(config, overrides={"image_size": args.image_size})
         report = run_rollout(config, ProgressLog())
     except MstarError as exc:
         print(f"mstar bench rollout: {exc}", file=sys.stderr)

@@ -31,13 +31,15 @@ class VJEPA2Config:
     predictor_dim: int = 48  # [predictor_embed_dim]
     predictor_depth: int = 2
     predictor_heads: int = 2
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = 4.0  # the predictor's
+    encoder_mlp_ratio: float = 4.0
     action_dim: int = 7  # [action_embed_dim] xyz, euler xyz, gripper
     cond_tokens: int = 2  # action and state tokens per frame (upstream without extrinsics)
     context_frames: int = 2  # frames encoded when a request brings no video
     kv_frames: int = 64  # frames of predictor KV the engine holds, all requests together
     max_horizon: int = 256
     seed: int = 0
+    checkpoint: str | None = None  # an upstream .pt file; its weights replace the seeded ones
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -83,6 +85,21 @@ SIZES: dict[str, VJEPA2Config] = {
         predictor_heads=4,
         context_frames=1,
         kv_frames=320,
+    ),
+    # Upstream's released V-JEPA 2-AC shape (ViT-g encoder, 24-layer predictor), for its
+    # checkpoint: build_model("vjepa2", size="vitg", checkpoint="vjepa2-ac-vitg.pt").
+    "vitg": VJEPA2Config(
+        image_size=256,
+        patch_size=16,
+        encoder_dim=1408,
+        encoder_depth=40,
+        encoder_heads=22,
+        encoder_mlp_ratio=48 / 11,
+        predictor_dim=1024,
+        predictor_depth=24,
+        predictor_heads=16,
+        context_frames=1,
+        kv_frames=32,
     ),
 }
 

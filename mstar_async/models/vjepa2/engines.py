@@ -22,6 +22,7 @@ from mstar_async.engines import StatelessEngine, Step
 from mstar_async.engines.block_causal import BlockCausalKVEngine, LayerAttention
 from mstar_async.engines.kv import AttentionSpec
 from mstar_async.errors import EngineError
+from mstar_async.models.vjepa2.checkpoint import load_upstream
 from mstar_async.models.vjepa2.config import VJEPA2Config
 from mstar_async.models.vjepa2.modules import ACPredictor, VisionEncoder
 from mstar_async.models.vjepa2.pose import next_state
@@ -33,6 +34,18 @@ def seeded(cfg: VJEPA2Config) -> tuple[VisionEncoder, ACPredictor]:
         torch.manual_seed(cfg.seed)
         encoder = VisionEncoder(cfg).eval().requires_grad_(False)
         predictor = ACPredictor(cfg).eval().requires_grad_(False)
+    return encoder, predictor
+
+
+def networks(cfg: VJEPA2Config) -> tuple[VisionEncoder, ACPredictor]:
+    """The seeded networks, with ``cfg.checkpoint``'s weights loaded over them when set.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read or does not match ``cfg``.
+    """
+    encoder, predictor = seeded(cfg)
+    if cfg.checkpoint is not None:
+        load_upstream(cfg.checkpoint, encoder, predictor)
     return encoder, predictor
 
 
@@ -150,7 +163,7 @@ class ACPredictorFrames:
 
 def predictor_engine(cfg: VJEPA2Config) -> BlockCausalKVEngine:
     """The seeded predictor on a block-causal KV cache of ``cfg.kv_frames`` frames (fp32)."""
-    _, predictor = seeded(cfg)
+    _, predictor = networks(cfg)
     spec = AttentionSpec(
         cfg.predictor_heads, cfg.predictor_heads, predictor.head_dim, dtype=torch.float32
     )
@@ -164,7 +177,7 @@ def predictor_engine(cfg: VJEPA2Config) -> BlockCausalKVEngine:
 
 def encoder_engine(cfg: VJEPA2Config) -> StatelessEngine:
     """The seeded encoder; requests' videos batch when they have as many frames."""
-    encoder, _ = seeded(cfg)
+    encoder, _ = networks(cfg)
 
     def encode(video: torch.Tensor | list[torch.Tensor]) -> dict[str, Any]:
         if isinstance(video, torch.Tensor):

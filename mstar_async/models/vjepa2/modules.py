@@ -160,7 +160,7 @@ class VisionEncoder(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed3D(cfg)
         self.blocks = nn.ModuleList(
-            Block(cfg.encoder_dim, cfg.encoder_heads, cfg.mlp_ratio)
+            Block(cfg.encoder_dim, cfg.encoder_heads, cfg.encoder_mlp_ratio)
             for _ in range(cfg.encoder_depth)
         )
         self.norm = nn.LayerNorm(cfg.encoder_dim, eps=1e-6)
