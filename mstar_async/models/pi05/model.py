@@ -119,11 +119,16 @@ def initial_noise(cfg: Pi05Config, seed: int) -> torch.Tensor:
     return torch.randn(cfg.action_horizon, cfg.action_dim, generator=gen)
 
 
-def _check_image(image: torch.Tensor) -> torch.Tensor:
-    if image.dim() != 3 or image.shape[0] != 3 or min(image.shape[1:]) < 32:
+def _check_image(image: Any) -> torch.Tensor:
+    if (
+        not isinstance(image, torch.Tensor)
+        or image.dim() != 3
+        or image.shape[0] != 3
+        or min(image.shape[1:]) < 32
+    ):
         raise MstarError(
             f"pi05: image must be a [3, height, width] tensor in [0, 1] with sides >= 32, "
-            f"got shape {tuple(image.shape)}"
+            f"got {tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__}"
         )
     return image.to(torch.float32)
 

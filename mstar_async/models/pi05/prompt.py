@@ -37,10 +37,10 @@ def tokenize(instruction: str, state: torch.Tensor, cfg: Pi05Config) -> torch.Te
     Raises:
         MstarError: ``state`` is not a vector of ``cfg.state_dim`` values.
     """
-    if state.dim() != 1 or state.shape[0] != cfg.state_dim:
+    if not isinstance(state, torch.Tensor) or state.dim() != 1 or state.shape[0] != cfg.state_dim:
+        got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
         raise MstarError(
-            f"pi05: state must be a vector of {cfg.state_dim} values in [-1, 1], "
-            f"got shape {tuple(state.shape)}"
+            f"pi05: state must be a vector of {cfg.state_dim} values in [-1, 1], got {got}"
         )
     text = format_prompt(instruction, state, cfg.state_bins)
     return torch.tensor([cfg.bos_id, *text.encode("utf-8")], dtype=torch.long)
