@@ -252,3 +252,34 @@ def format_vla(report: dict[str, Any]) -> str:
         )
     lines.append(f"largest batch of flow steps in one forward: {work['largest_flow_step_batch']}")
     return "\n".join(lines)
+
+
+def plot_vla(reports: Sequence[dict[str, Any]], path: str) -> bool:
+    """Draw chunks/s against N, concurrent and sequential, one panel per report, into ``path``
+    (a PNG). Returns False, drawing nothing, where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 3.6), squeeze=False)
+    for ax, report in zip(axes[0], reports, strict=True):
+        ns = [r["concurrency"] for r in report["results"]]
+        for mode, style in (("concurrent", "o-"), ("sequential", "s--")):
+            cells = [r[mode]["chunks_per_s"] for r in report["results"]]
+            low = [c["median"] - c["min"] for c in cells]
+            high = [c["max"] - c["median"] for c in cells]
+            ax.errorbar(ns, [c["median"] for c in cells], yerr=[low, high], fmt=style, label=mode)
+        work = report["workload"]
+        ax.set_title(f"pi05 {work['size']} ({'x'.join(map(str, work['action_chunk']))} chunks)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("concurrent requests N")
+        ax.set_ylabel("action chunks / s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -66,7 +66,11 @@ class PolicyCache:
 
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         """Per-layer keys and values of each step's ``image_tokens`` + ``tokens`` prefix."""
-        embeds = [self.policy.prefix_embeds(s["image_tokens"], s["tokens"]) for s in batch]
+        device = self.policy.lm.embed_tokens.weight.device
+        embeds = [
+            self.policy.prefix_embeds(s["image_tokens"].to(device), s["tokens"].to(device))
+            for s in batch
+        ]
         padded, lengths = right_pad(embeds)
         layers = self.policy.lm.layer_kv(padded, lengths)
         prefixes = []
@@ -81,9 +85,11 @@ class PolicyCache:
         self, op: str, batch: Sequence[Mapping[str, Any]], prefixes: PaddedPrefixes
     ) -> list[dict[str, Any]]:
         """Velocities of each step's noisy ``actions`` at its ``time``."""
-        dtype = self.policy.expert.action_in_proj.weight.dtype
-        actions = torch.stack([torch.as_tensor(s["actions"]) for s in batch]).to(dtype)
-        time = torch.stack([torch.as_tensor(s["time"]).reshape(()) for s in batch]).to(dtype)
+        weight = self.policy.expert.action_in_proj.weight
+        actions = torch.stack([torch.as_tensor(s["actions"]) for s in batch])
+        time = torch.stack([torch.as_tensor(s["time"]).reshape(()) for s in batch])
+        actions = actions.to(device=weight.device, dtype=weight.dtype)
+        time = time.to(device=weight.device, dtype=weight.dtype)
         layers = list(zip(prefixes.keys, prefixes.values, strict=True))
         velocity = self.policy.expert.velocity(actions, time, layers, prefixes.lengths)
         return [{"velocity": v} for v in velocity]
@@ -154,27 +160,35 @@ def _program(cfg: Pi05Config) -> Callable[..., AsyncGenerator[Any, None]]:
             time=torch.tensor(1.0),
             dt=torch.tensor(-1.0 / steps),
         )
-        yield ActionOutput(result["actions"])
+        yield ActionOutput(result["actions"].cpu())
 
     return program
 
 
-def _policy_engine(cfg: Pi05Config, max_requests: int | None) -> PrefixCacheEngine:
-    return PrefixCacheEngine(PolicyCache(build_policy(cfg)), max_requests=max_requests)
+def _policy_engine(cfg: Pi05Config, max_requests: int | None, device: str) -> PrefixCacheEngine:
+    policy = build_policy(cfg).to(device)
+    return PrefixCacheEngine(PolicyCache(policy), max_requests=max_requests)
 
 
-def _vision_engine(cfg: Pi05Config) -> StatelessEngine:
-    return StatelessEngine({"encode": build_vision(cfg)})
+def _vision_engine(cfg: Pi05Config, device: str) -> StatelessEngine:
+    return StatelessEngine({"encode": build_vision(cfg).to(device)}, device=device)
 
 
-def _euler_engine() -> StatelessEngine:
-    return StatelessEngine({"step": euler})
+def _euler_engine(device: str) -> StatelessEngine:
+    return StatelessEngine({"step": euler}, device=device)
 
 
 @register("pi05", "pi0.5-style VLA: EfficientNet + prefix LM, cached prefix, flow-matching actions")
-def build_pi05(size: str = "tiny", *, max_requests: int | None = None, **overrides: Any) -> Model:
-    """Build the policy at ``size`` (``tiny`` or ``small``); ``overrides`` set ``Pi05Config``
-    fields (e.g. ``seed=1``); ``max_requests`` bounds the prefixes the policy engine holds.
+def build_pi05(
+    size: str = "tiny",
+    *,
+    max_requests: int | None = None,
+    device: str = "cpu",
+    **overrides: Any,
+) -> Model:
+    """Build the policy at ``size`` (``tiny`` or ``small``) in fp32 on ``device``; ``overrides``
+    set ``Pi05Config`` fields (e.g. ``seed=1``); ``max_requests`` bounds the prefixes the
+    policy engine holds.
 
     Raises:
         MstarError: an unknown size or field, or stacks that cannot attend to each other.
@@ -219,9 +233,9 @@ def build_pi05(size: str = "tiny", *, max_requests: int | None = None, **overrid
         ],
         program=_program(cfg),
         components={
-            "vision": functools.partial(_vision_engine, cfg),
-            "policy": functools.partial(_policy_engine, cfg, max_requests),
-            "euler": _euler_engine,
+            "vision": functools.partial(_vision_engine, cfg, device),
+            "policy": functools.partial(_policy_engine, cfg, max_requests, device),
+            "euler": functools.partial(_euler_engine, device),
         },
         description=f"pi0.5-style policy ({size}): {cfg.action_horizon}x{cfg.action_dim} chunks",
     )
