@@ -121,6 +121,8 @@ class PrefixCacheEngine:
         #: Steps served, by op; and how many suffix forwards had each batch size.
         self.served: Counter[str] = Counter()
         self.suffix_batches: Counter[int] = Counter()
+        #: The most prefixes held at once.
+        self.peak_requests = 0
 
     @property
     def requests_held(self) -> int:
@@ -184,6 +186,7 @@ class PrefixCacheEngine:
         for i, prefix in zip(admitted, encoded, strict=True):
             self._prefixes[steps[i].request_id] = prefix
             results[i] = {"length": torch.tensor(prefix.length)}
+        self.peak_requests = max(self.peak_requests, len(self._prefixes))
         self.served[PREFIX_OP] += len(admitted)
         return results
 

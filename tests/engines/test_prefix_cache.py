@@ -89,6 +89,7 @@ def test_prefixes_beyond_max_requests_wait_until_a_release() -> None:
     assert out[2] is WAIT and out[0] is not WAIT and out[1] is not WAIT
     engine.release("a")
     assert engine.forward([prefix_step("c", 1)])[0] is not WAIT
+    assert engine.peak_requests == 2
 
 
 def test_unknown_op_and_bad_settings_are_named() -> None:

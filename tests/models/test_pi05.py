@@ -91,6 +91,24 @@ async def test_concurrent_requests_of_different_lengths_match_each_alone() -> No
     torch.testing.assert_close(alone[0], expected(*requests[0]), atol=ATOL, rtol=0)
 
 
+async def test_requests_beyond_max_requests_wait_for_a_release_and_still_match() -> None:
+    requests = [(INSTRUCTIONS[i % 4], i) for i in range(5)]
+    async with open_runtime(build_model("pi05", max_requests=2)) as runtime:
+        together: dict[int, torch.Tensor] = {}
+
+        async def one(i: int) -> None:
+            together[i] = await act(runtime, instruction=requests[i][0], seed=requests[i][1])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(requests)):
+                tg.start_soon(one, i)
+        engine = runtime.batching.engines["policy"]
+        assert engine.peak_requests == 2 and engine.requests_held == 0
+        assert engine.served["prefix"] == 5
+    for i in (0, 4):
+        torch.testing.assert_close(together[i], expected(*requests[i]), atol=ATOL, rtol=0)
+
+
 async def test_steps_sets_the_number_of_flow_iterations() -> None:
     async with open_runtime(build_model("pi05")) as runtime:
         engine = runtime.batching.engines["policy"]
