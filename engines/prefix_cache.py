@@ -85,6 +85,10 @@ class PrefixModel(Protocol):
 
     #: The ops besides ``prefix`` that the model runs against a cached prefix.
     suffix_ops: frozenset[str]
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors live (an imported prefix is moved there)."""
+        ...
 
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         """One ``PrefixKV`` per step's inputs."""
@@ -166,6 +170,33 @@ class PrefixCacheEngine:
     def release(self, request_id: str) -> None:
         """Drop the prefix of ``request_id``; idempotent."""
         self._prefixes.pop(request_id, None)
+
+    def export_state(self, request_id: str) -> dict[str, torch.Tensor] | None:
+        """The prefix of ``request_id`` as CPU tensors [layers, kv_heads, length, dim], then
+        release it here: the request moves to another engine (prefix on one rank, the action
+        loop on another). ``None`` if nothing is held."""
+        prefix = self._prefixes.pop(request_id, None)
+        if prefix is None:
+            return None
+        return {
+            "keys": torch.stack(prefix.keys).cpu(),
+            "values": torch.stack(prefix.values).cpu(),
+        }
+
+    def import_state(self, request_id: str, state: dict[str, torch.Tensor] | None) -> None:
+        """Hold the prefix that ``export_state`` gave away, on this engine's device.
+
+        Raises:
+            EngineError: the request is already held here.
+        """
+        if state is None:
+            return
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id} is already held by this engine")
+        device = self.model.device
+        keys, values = state["keys"].to(device), state["values"].to(device)
+        self._prefixes[request_id] = PrefixKV(tuple(keys.unbind(0)), tuple(values.unbind(0)))
+        self.peak_requests = max(self.peak_requests, len(self._prefixes))
 
     def _prefix(self, steps: Sequence[Step]) -> list[StepResult]:
         results: list[StepResult] = [WAIT] * len(steps)

@@ -32,6 +32,7 @@ class SumModel:
     """A prefix is its tokens as keys; ``total`` sums a request's valid prefix keys."""
 
     suffix_ops = frozenset({"total"})
+    device = torch.device("cpu")
 
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         out = []
@@ -73,6 +74,20 @@ def test_release_frees_and_a_later_suffix_step_fails_alone() -> None:
     assert int(out[1]["total"]) == 2  # type: ignore[index]
     engine.release("b")
     assert engine.requests_held == 0 and engine.bytes_held == 0
+
+
+def test_export_moves_a_prefix_to_another_engine() -> None:
+    source, target = PrefixCacheEngine(SumModel()), PrefixCacheEngine(SumModel())
+    source.forward([prefix_step("a", 1, 2, 3)])
+    state = source.export_state("a")
+    assert source.requests_held == 0 and source.export_state("a") is None
+    assert state is not None and state["keys"].shape == (1, 1, 3, 4)
+    target.import_state("a", state)
+    target.import_state("b", None)  # nothing held on the source: nothing to import
+    assert target.requests_held == 1
+    assert int(target.forward([Step("a", "total", {"add": 0})])[0]["total"]) == 6  # type: ignore[index]
+    with pytest.raises(EngineError, match="already held"):
+        target.import_state("a", state)
 
 
 def test_a_second_prefix_replaces_the_first() -> None:

@@ -64,9 +64,14 @@ class PolicyCache:
     def __init__(self, policy: Pi05Policy) -> None:
         self.policy = policy
 
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's weights live."""
+        return self.policy.lm.embed_tokens.weight.device
+
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         """Per-layer keys and values of each step's ``image_tokens`` + ``tokens`` prefix."""
-        device = self.policy.lm.embed_tokens.weight.device
+        device = self.device
         embeds = [
             self.policy.prefix_embeds(s["image_tokens"].to(device), s["tokens"].to(device))
             for s in batch
