@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 import torch
@@ -11,6 +13,7 @@ from mstar_async.outputs import ActionOutput
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 REQUESTS = [("pick up the cup", 0), ("open the top drawer and put the red block inside it", 1)]
 
@@ -29,7 +32,9 @@ async def test_the_prefix_moves_to_the_action_rank_and_changes_no_action() -> No
     with anyio.fail_after(140):
         async with open_runtime(build_model("pi05")) as runtime:
             expected = [await actions_of(runtime, *r) for r in REQUESTS]
-        split = Placement(ranks=2, nodes={"vision": 0, "prefix": 0, "expert": 1, "euler": 1})
+        split = Placement.from_yaml(EXAMPLES / "pi05_split.yaml")
+        (move,) = split.validate(build_model("pi05")).migrations
+        assert (move.engine, move.from_walk, move.to_walk) == ("policy", "prefix", "act")
         async with open_runtime(build_model("pi05"), placement=split) as runtime:
             got: dict[int, torch.Tensor] = {}
 
