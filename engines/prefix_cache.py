@@ -85,6 +85,7 @@ class PrefixModel(Protocol):
 
     #: The ops besides ``prefix`` that the model runs against a cached prefix.
     suffix_ops: frozenset[str]
+
     @property
     def device(self) -> torch.device:
         """Where the model's tensors live (an imported prefix is moved there)."""
