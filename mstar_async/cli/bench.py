@@ -130,6 +130,7 @@ def add_bench_parser(sub: Any) -> None:
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
     transport.set_defaults(handler=_transport)
     _add_rollout_parser(kinds)
+    _add_vla_parser(kinds)
 
 
 def _add_rollout_parser(kinds: Any) -> None:
@@ -181,6 +182,51 @@ def _rollout(args: argparse.Namespace, _: list[str]) -> int:
         skipped = plot_rollout(report, args.plot)
         print(skipped or f"plot written to {args.plot}", file=sys.stderr)
     print(json.dumps(report, indent=2) if args.json else format_rollout(report))
+    return 0
+
+
+def _add_vla_parser(kinds: Any) -> None:
+    vla = kinds.add_parser(
+        "vla",
+        help="pi05 action-chunk latency: concurrent requests vs one after another",
+        description=(
+            "Action-chunk latency p50/p95 and chunks/s of the pi05 policy (small) at 1, 4 and "
+            "16 concurrent requests through the runtime, against the same requests one after "
+            "another, 3 repetitions."
+        ),
+    )
+    vla.add_argument("--quick", action="store_true", help="the tiny model, 1 repetition")
+    vla.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    vla.add_argument("--concurrency", type=_concurrency, help="comma-separated (1,4,16)")
+    vla.add_argument("--repeat", type=_positive, help="repetitions (3; --quick: 1)")
+    vla.add_argument("--steps", type=_positive, help="flow-matching steps per chunk (10)")
+    vla.add_argument("--size", choices=("tiny", "small"), help="model size (small; --quick: tiny)")
+    vla.add_argument("--threads", type=_positive, help="torch intra-op threads (1)")
+    vla.set_defaults(handler=_vla)
+
+
+def _vla(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from dataclasses import replace
+
+        from benchmarks.common import ProgressLog
+        from benchmarks.vla import format_vla, preset, run_vla_sync
+
+        config = preset(args.quick)
+        changes = {
+            "concurrency": args.concurrency,
+            "repeat": args.repeat,
+            "steps": args.steps,
+            "size": args.size,
+            "threads": args.threads,
+        }
+        config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+        report = run_vla_sync(config, ProgressLog())
+    except MstarError as exc:
+        print(f"mstar bench vla: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_vla(report))
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from mstar_async.errors import MstarError
 from mstar_async.graph import Model
 from mstar_async.models import build_model
-from mstar_async.outputs import AudioChunk, ImageOutput, LatentOutput, TextDelta
+from mstar_async.outputs import ActionOutput, AudioChunk, ImageOutput, LatentOutput, TextDelta
 
 
 def add_run_parser(sub: Any) -> None:
@@ -73,6 +73,8 @@ class RunSummary:
     text: str = ""
     images: list[list[int]] = field(default_factory=list)
     latents: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[list[int]] = field(default_factory=list)
+    action_values: list[float] = field(default_factory=list)
 
 
 async def run_request(model: Model, inputs: dict[str, Any], *, echo: bool = False) -> RunSummary:
@@ -109,6 +111,9 @@ def _account(summary: RunSummary, item: Any) -> None:
         summary.images.append(list(item.image.shape))
     elif isinstance(item, LatentOutput):
         summary.latents.append({"step": item.step, "shape": list(item.latent.shape)})
+    elif isinstance(item, ActionOutput):
+        summary.actions.append(list(item.actions.shape))
+        summary.action_values = [round(float(v), 4) for v in item.actions.flatten()[:6]]
 
 
 def _print(summary: RunSummary, as_json: bool) -> None:
@@ -125,6 +130,8 @@ def _print(summary: RunSummary, as_json: bool) -> None:
         print(f"image: {'x'.join(map(str, shape))}")
     for latent in summary.latents:
         print(f"latent step {latent['step']}: {'x'.join(map(str, latent['shape']))}")
+    for shape in summary.actions:
+        print(f"actions: {'x'.join(map(str, shape))} chunk, first values {summary.action_values}")
     if first is not None:
         print(
             f"first output after {first * 1000:.1f} ms; request took {summary.seconds_total:.3f} s"
