@@ -154,11 +154,25 @@ class KVCacheEngine:
         self._forward = _maybe_compile(model.forward, compile)
         self._sequences: dict[Hashable, _Sequence] = {}
         self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
+        self._peak_blocks = 0
 
     @property
     def blocks_in_use(self) -> int:
         """KV blocks held by live sequences."""
         return self.allocator.num_used_blocks
+
+    @property
+    def peak_blocks_in_use(self) -> int:
+        """The most KV blocks held at once since the engine was built or ``reset_peak``, scratch
+        blocks of ``attend`` forwards included."""
+        return self._peak_blocks
+
+    def reset_peak(self) -> None:
+        """Start ``peak_blocks_in_use`` again from the blocks held now."""
+        self._peak_blocks = self.allocator.num_used_blocks
+
+    def _observe_blocks(self) -> None:
+        self._peak_blocks = max(self._peak_blocks, self.allocator.num_used_blocks)
 
     def cost(self, step: Step) -> int:
         """Tokens the step still has to compute: its prompt (what is left of it), or 1."""
@@ -237,6 +251,7 @@ class KVCacheEngine:
                 plan=self.backend.plan,
                 attention=lambda meta: StepAttention(self.cache, self.backend, meta),
                 keep=op == "extend",
+                observe=self._observe_blocks,
             )
 
     def _query_model(self) -> QueryModel:
@@ -423,6 +438,7 @@ class KVCacheEngine:
         self, steps: Sequence[Step], work: list[list[int]], admitted: list[int]
     ) -> dict[int, torch.Tensor]:
         plans = self.allocator.append_batch({_key(steps[i]): len(work[i]) for i in admitted})
+        self._observe_blocks()
         self.cache.copy_blocks([c for plan in plans for c in plan.copies])
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
         flat = [t for i in admitted for t in work[i]]

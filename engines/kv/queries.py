@@ -72,6 +72,7 @@ def run_queries(
     plan: Callable[[BatchLayout], Any],
     attention: Callable[[Any], Any],
     keep: bool,
+    observe: Callable[[], None] | None = None,
 ) -> list[StepResult]:
     """Run one non-causal forward of the steps' query tokens over their sequences.
 
@@ -79,7 +80,7 @@ def run_queries(
     appended to those sequences; without, to scratch forks that are freed before this returns,
     whatever happens. A step that does not fit in the free blocks now gets ``WAIT`` (or
     ``KVCacheFull`` when it could never fit); two steps on one kept sequence run one per
-    forward.
+    forward. ``observe`` is called once the forward's blocks are allocated (its peak).
 
     Raises:
         EngineError: the model returns the wrong number of outputs; what ``forward_queries``
@@ -104,6 +105,8 @@ def run_queries(
                 results[i] = _wait_or_fail(allocator, steps[i], key, n)
         if admitted:
             plans = allocator.append_batch(chosen)
+            if observe is not None:
+                observe()
             copy_blocks([c for p in plans for c in p.copies])
             meta = plan(BatchLayout.from_plans(allocator, plans, causal=False))
             batch = [steps[i].inputs for i in admitted]
