@@ -33,6 +33,7 @@ import anyio
 import torch
 
 from benchmarks.common import machine_info, percentile, quiet, ratio_table
+from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.models.bagel import CFG_MODES, bagel_config, build_bagel
 from mstar_async.runtime import open_runtime
 
@@ -138,6 +139,8 @@ async def _run(config: ImageConfig, progress: Progress) -> dict[str, Any]:
                     measured: dict[str, float] = {}
                     for mode in order:
                         engine = runtimes[mode].batching.engines.get("lm")
+                        if not isinstance(engine, KVCacheEngine):
+                            engine = None
                         if engine is not None:
                             engine.reset_peak()
                         values = await _round(runtimes[mode], config, task, n)
@@ -222,3 +225,31 @@ def format_report(report: dict[str, Any]) -> str:
             blocks = modes.get("forked", {}).get(n, {}).get("kv_peak_blocks", "-")
             lines.append(f"{task:5} {n:>3} {cells}  {dense:12.2f}  {seq:17.2f}  {blocks}")
     return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: str) -> None:
+    """Draw p50 latency against concurrency, one panel per task, one line per mode, to a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'mstar-async[bench]'``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(report["results"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for mode, by_n in report["results"][task].items():
+            ns = sorted(by_n, key=int)
+            ax.plot([int(n) for n in ns], [by_n[n]["p50_s"] for n in ns], marker="o", label=mode)
+        ax.set_title(f"bagel {report['config']['size']}: {task}")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("p50 end-to-end latency (s)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -55,7 +55,8 @@ class TimestepEmbedder(nn.Module):
         half = self.frequencies // 2
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
         args = (t.float().reshape(-1, 1) * 1000) * freqs.to(t.device)
-        features = torch.cat([args.cos(), args.sin()], dim=-1).to(self.mlp[0].weight.dtype)
+        features = torch.cat([args.cos(), args.sin()], dim=-1)
+        features = features.to(next(self.mlp.parameters()).dtype)
         out: torch.Tensor = self.mlp(features)
         return out
 
@@ -68,6 +69,8 @@ class BagelLM(nn.Module):
     (upstream's ``*_moe_gen`` weights) in the same layout. ``vae2llm`` / ``llm2vae``,
     ``time_embedder`` and ``latent_pos_embed`` are named as upstream.
     """
+
+    latent_pos_embed: torch.Tensor
 
     def __init__(self, cfg: BagelConfig, *, dtype: torch.dtype = torch.float32) -> None:
         """Build with weights seeded from ``cfg.seed``, without touching the global RNG."""

@@ -55,25 +55,32 @@ class _Upsample(nn.Module):
         return out
 
 
+class _UpLevel(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.block = _ResnetBlock(channels)
+        self.upsample = _Upsample(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.upsample(self.block(x))
+        return out
+
+
 class _Decoder(nn.Module):
     def __init__(self, cfg: BagelConfig) -> None:
         super().__init__()
         ch = cfg.decoder_channels
         self.conv_in = nn.Conv2d(cfg.latent_channels, ch, 3, padding=1)
         self.mid = _ResnetBlock(ch)
-        self.up = nn.ModuleList()
-        for _ in range(round(math.log2(cfg.downsample))):
-            level = nn.Module()
-            level.block = _ResnetBlock(ch)
-            level.upsample = _Upsample(ch)
-            self.up.append(level)
+        levels = round(math.log2(cfg.downsample))
+        self.up = nn.ModuleList(_UpLevel(ch) for _ in range(levels))
         self.norm_out = nn.GroupNorm(8, ch)
         self.conv_out = nn.Conv2d(ch, 3, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.mid(self.conv_in(z))
         for level in self.up:
-            x = level.upsample(level.block(x))
+            x = level(x)
         out: torch.Tensor = self.conv_out(F.silu(self.norm_out(x)))
         return out
 

@@ -74,19 +74,26 @@ class _EncoderLayer(nn.Module):
         return out
 
 
+class _Encoder(nn.Module):
+    def __init__(self, cfg: BagelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.vit_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 class _VisionModel(nn.Module):
     def __init__(self, cfg: BagelConfig) -> None:
         super().__init__()
         self.embeddings = _Embeddings(cfg)
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.vit_layers))
+        self.encoder = _Encoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.vit_hidden, eps=1e-6)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(pixels)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        out: torch.Tensor = self.post_layernorm(x)
+        out: torch.Tensor = self.post_layernorm(self.encoder(self.embeddings(pixels)))
         return out
 
 
@@ -98,6 +105,7 @@ class ImageEncoder(nn.Module):
         """Build with weights seeded from ``cfg.seed``, without touching the global RNG."""
         super().__init__()
         self.size = cfg.vit_image_size
+        self.vit_pos_embed: torch.Tensor
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed + 3)
             self.vision_model = _VisionModel(cfg)
