@@ -18,7 +18,8 @@ the p50 ratios against ``forked``, and the KV blocks the forked modes held at th
 Noise control: all three runtimes are open at once and warmed up at every concurrency; each
 repetition runs the modes one at a time in alternating order, and ratios are taken within a
 repetition. torch runs ``threads`` intra-op threads (1 by default: on a shared 2-core machine a
-competing process slows multi-threaded torch by up to 10x).
+competing process slows multi-threaded torch by up to 10x). Each measurement records how many
+cores other processes kept busy meanwhile (``foreign_cores``), so a disturbed figure shows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.common import machine_info, percentile, quiet, ratio_table
+from benchmarks.common import (
+    cpu_sample,
+    foreign_cores,
+    machine_info,
+    percentile,
+    quiet,
+    ratio_table,
+)
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.models.bagel import CFG_MODES, bagel_config, build_bagel
 from mstar_async.runtime import open_runtime
@@ -49,7 +57,7 @@ class ImageConfig:
 
     size: str = "small"
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
-    steps: int = 10
+    steps: int = 8
     repeat: int = 3
     prompt_tokens: int = 64
     edit_tokens: int = 32
@@ -59,7 +67,8 @@ class ImageConfig:
 
 
 def preset(quick: bool) -> ImageConfig:
-    """The full workload, or ``quick``: N = 1, 2, 3 steps, one repetition (well under a minute)."""
+    """The full workload (N = 1, 2, 4, 8, 8 steps, 3 repetitions), or ``quick``: N = 1, 2,
+    3 steps, one repetition (well under a minute)."""
     if quick:
         return ImageConfig(concurrency=(1, 2), steps=3, repeat=1)
     return ImageConfig()
@@ -120,6 +129,7 @@ async def _run(config: ImageConfig, progress: Progress) -> dict[str, Any]:
     latencies: dict[tuple[str, str, int], list[float]] = {}
     peaks: dict[tuple[str, str, int], int] = {}
     rounds: dict[tuple[str, int], list[dict[str, float]]] = {}
+    foreign: dict[tuple[str, str, int], list[float]] = {}
     async with AsyncExitStack() as stack:
         runtimes = {}
         for mode in config.modes:
@@ -143,7 +153,11 @@ async def _run(config: ImageConfig, progress: Progress) -> dict[str, Any]:
                             engine = None
                         if engine is not None:
                             engine.reset_peak()
+                        before = cpu_sample()
                         values = await _round(runtimes[mode], config, task, n)
+                        others = foreign_cores(before, cpu_sample())
+                        if others is not None:
+                            foreign.setdefault((task, mode, n), []).append(round(others, 2))
                         latencies.setdefault((task, mode, n), []).extend(values)
                         measured[mode] = percentile(values, 50)
                         if engine is not None:
@@ -151,7 +165,7 @@ async def _run(config: ImageConfig, progress: Progress) -> dict[str, Any]:
                             peaks[key] = max(peaks.get(key, 0), engine.peak_blocks_in_use)
                         progress(f"rep {rep} {task} N={n} {mode}: p50 {measured[mode]:.3f} s")
                     rounds.setdefault((task, n), []).append(measured)
-    return _report(config, latencies, peaks, rounds)
+    return _report(config, latencies, peaks, rounds, foreign)
 
 
 def _report(
@@ -159,6 +173,7 @@ def _report(
     latencies: dict[tuple[str, str, int], list[float]],
     peaks: dict[tuple[str, str, int], int],
     rounds: dict[tuple[str, int], list[dict[str, float]]],
+    foreign: dict[tuple[str, str, int], list[float]],
 ) -> dict[str, Any]:
     cfg = bagel_config(config.size)
     results: dict[str, Any] = {}
@@ -166,6 +181,8 @@ def _report(
         entry = {"p50_s": round(percentile(values, 50), 4), "requests": len(values)}
         if (task, mode, n) in peaks:
             entry["kv_peak_blocks"] = peaks[(task, mode, n)]
+        if (task, mode, n) in foreign:
+            entry["foreign_cores"] = foreign[(task, mode, n)]
         results.setdefault(task, {}).setdefault(mode, {})[str(n)] = entry
     pairs = [(m, "forked") for m in config.modes if m != "forked"]
     ratios: dict[str, Any] = {}

@@ -142,7 +142,7 @@ def add_bench_parser(sub: Any) -> None:
     image.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     image.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
     image.add_argument("--concurrency", type=_concurrency, help="request counts (1,2,4,8)")
-    image.add_argument("--steps", type=_positive, help="denoising steps (10)")
+    image.add_argument("--steps", type=_positive, help="denoising steps (8)")
     image.add_argument("--repeat", type=_positive, help="repetitions (3)")
     image.add_argument("--threads", type=_positive, help="torch intra-op threads (1)")
     image.add_argument("--plot", type=Path, help="also draw the figures to this PNG (matplotlib)")
