@@ -178,7 +178,7 @@ def _report(
     cfg = bagel_config(config.size)
     results: dict[str, Any] = {}
     for (task, mode, n), values in latencies.items():
-        entry = {"p50_s": round(percentile(values, 50), 4), "requests": len(values)}
+        entry: dict[str, Any] = {"p50_s": round(percentile(values, 50), 4), "requests": len(values)}
         if (task, mode, n) in peaks:
             entry["kv_peak_blocks"] = peaks[(task, mode, n)]
         if (task, mode, n) in foreign:
