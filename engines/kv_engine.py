@@ -175,14 +175,20 @@ class KVCacheEngine:
         self._peak_blocks = max(self._peak_blocks, self.allocator.num_used_blocks)
 
     def cost(self, step: Step) -> int:
-        """Tokens the step still has to compute: its prompt (what is left of it), or 1."""
+        """Tokens the step still has to compute: its prompt (what is left of it), an
+        ``extend``/``attend`` step's query tokens (never split over forwards), or 1."""
         seq = self._sequences.get(_key(step))
         if step.op == "prefill":
             if seq is not None and seq.prefill is step:
                 return max(1, len(seq.pending))
             return max(1, len(_token_list(step.inputs["tokens"])))
         if step.op in QUERY_OPS:
-            return max(1, self._query_model().query_length(step.inputs))
+            # The batching loop asks before any forward: a bad step costs 1 here and gets its
+            # error from ``forward``, where it fails that request alone.
+            try:
+                return max(1, self._query_model().query_length(step.inputs))
+            except EngineError:
+                return 1
         return 1
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -228,23 +234,35 @@ class KVCacheEngine:
         return results
 
     def _forward_queries(self, op: str, steps: Sequence[Step]) -> list[StepResult]:
+        """One forward of the query steps that are well formed; the others get their error."""
         model = self._query_model()
-        keys = []
-        for step in steps:
+        results: list[StepResult] = [None] * len(steps)
+        good: list[int] = []
+        keys: list[Hashable] = []
+        for i, step in enumerate(steps):
             key = _key(step)
+            try:
+                model.query_length(step.inputs)
+            except EngineError as exc:
+                results[i] = exc
+                continue
             if key not in self._sequences:
                 if op == "attend" or key != step.request_id:
-                    raise EngineError(
+                    results[i] = EngineError(
                         f"request {step.request_id}: {op} on sequence {_name(key)!r}, which "
                         "does not exist; prefill or fork it first"
                     )
+                    continue
                 self._new_sequence(key, GREEDY)
+            good.append(i)
             keys.append(key)
+        if not good:
+            return results
         with torch.inference_mode():
-            return run_queries(
+            outputs = run_queries(
                 model,
                 op,
-                steps,
+                [steps[i] for i in good],
                 keys,
                 allocator=self.allocator,
                 copy_blocks=self.cache.copy_blocks,
@@ -253,6 +271,9 @@ class KVCacheEngine:
                 keep=op == "extend",
                 observe=self._observe_blocks,
             )
+        for i, result in zip(good, outputs, strict=True):
+            results[i] = result
+        return results
 
     def _query_model(self) -> QueryModel:
         if not isinstance(self.model, QueryModel):

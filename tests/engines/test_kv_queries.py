@@ -110,8 +110,10 @@ def test_extend_keeps_its_tokens_and_changes_what_attend_sees() -> None:
 @pytest.mark.timeout(30)
 def test_fork_and_attend_report_bad_use() -> None:
     engine, _ = _engine()
-    with pytest.raises(EngineError, match="does not exist"):
-        engine.forward([_attend("r", "nope")])
+    (missing,) = engine.forward([_attend("r", "nope")])
+    assert isinstance(missing, EngineError) and "does not exist" in str(missing)
+    (bad,) = engine.forward([Step("r", "attend", {"seq": "nope"})])
+    assert isinstance(bad, EngineError) and "latent" in str(bad)
     (forked,) = engine.forward([Step("r", "fork", {"seq": "x", "parent": "missing"})])
     assert isinstance(forked, EngineError) and "does not exist" in str(forked)
     engine.forward([Step("r", "fork", {"seq": "x"})])  # from the empty main sequence
