@@ -4,13 +4,18 @@ request)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mstar_async.engines.base import Step
 from mstar_async.engines.kv import AttentionSpec, BatchLayout, TorchAttentionBackend
 from mstar_async.engines.kv_engine import KVCacheEngine
-from mstar_async.errors import EngineError
+from mstar_async.errors import EngineError, KVCacheFull
 from mstar_async.models.bagel import bagel_config
 from mstar_async.models.bagel.mot import BagelLM
 from tests.engines.kv_harness import World
@@ -140,3 +145,74 @@ def test_attend_waits_for_memory_and_fails_when_it_never_fits() -> None:
     engine.forward([Step("s", "fork", {"seq": "a"})])
     (full,) = engine.forward([_attend("s", "a")])
     assert type(full).__name__ == "KVCacheFull"
+
+
+class _Toy(torch.nn.Module):
+    """One attention layer with K/V straight from an embedding: cheap enough for hypothesis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 4 * 8)
+
+    def _attend(self, x: torch.Tensor, attention: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q = x.view(n, 4, 8)
+        out: torch.Tensor = attention(0, q, q[:, :2].contiguous(), q[:, 2:].contiguous())
+        return out.reshape(n, -1)
+
+    def forward(self, input_ids: torch.Tensor, attention: Any) -> torch.Tensor:
+        return self._attend(self.embed(input_ids), attention)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, :50]
+
+    def query_length(self, inputs: Mapping[str, Any]) -> int:
+        return int(inputs["x"].shape[0])
+
+    def forward_queries(
+        self, op: str, inputs: Sequence[Mapping[str, Any]], attention: Any
+    ) -> list[dict[str, Any]]:
+        lengths = [self.query_length(i) for i in inputs]
+        out = self._attend(torch.cat([i["x"] for i in inputs]), attention)
+        return [{"y": y} for y in out.split(lengths)]
+
+
+_OPS = st.sampled_from(["prefill", "fork", "extend", "attend", "release"])
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=40, deadline=None)
+@given(
+    program=st.lists(
+        st.tuples(_OPS, st.sampled_from(["r", "s"]), st.sampled_from(["a", "b", ""])),
+        max_size=25,
+    ),
+    sizes=st.lists(st.integers(1, 20), min_size=25, max_size=25),
+)
+def test_any_mix_of_query_ops_keeps_the_pool_consistent_and_leaks_nothing(
+    program: list[tuple[str, str, str]], sizes: list[int]
+) -> None:
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    engine = KVCacheEngine(_Toy(), spec, num_layers=1, num_blocks=12, block_size=4)
+    for (op, request, seq), n in zip(program, sizes, strict=False):
+        if op == "release":
+            engine.release(request)
+        else:
+            inputs: dict[str, Any] = {"seq": seq} if seq else {}
+            if op == "prefill":
+                inputs["tokens"] = list(range(n))
+            elif op == "fork":
+                inputs = {"seq": seq or "a"}
+            else:
+                inputs["x"] = torch.randn(n, 32)
+            held = engine.blocks_in_use
+            (result,) = engine.forward([Step(request, op, inputs)])
+            if op == "attend":
+                assert engine.blocks_in_use == held  # attend never keeps a block
+            assert not isinstance(result, Exception) or isinstance(
+                result, EngineError | KVCacheFull
+            )
+        engine.allocator.check_invariants()
+    engine.release("r")
+    engine.release("s")
+    assert engine.blocks_in_use == 0 and len(engine.allocator) == 0
