@@ -108,6 +108,23 @@ async def test_kv_blocks_are_one_prefix_plus_branch_tokens_and_all_come_back() -
         assert engine.blocks_in_use == 0
         assert len(engine.allocator) == 0
 
+        # Editing: cond = ViT tokens + instruction, text_uncond = a fork at the ViT tokens,
+        # img_uncond = the instruction alone (its own sequence: its positions differ).
+        recorder = _Recorder(engine)
+        async with runtime.generate(prompt="make it green", image=EDIT_IMAGE, steps=2) as outputs:
+            async for _ in outputs:
+                pass
+        vit, text = cfg.vit_grid**2, len(tokenize("make it green"))  # 16 and 14 tokens
+        held = -(-(vit + text) // bs) + -(-text // bs)
+        assert recorder.prefix_blocks == held == 3
+        scratch = (
+            _branch_blocks(vit + text, n, bs)
+            + _branch_blocks(vit, n, bs)
+            + _branch_blocks(text, n, bs)
+        )
+        assert engine.peak_blocks_in_use == held + scratch == 3 + 2 + 1 + 2
+        assert engine.blocks_in_use == 0
+
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
