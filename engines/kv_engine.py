@@ -4,6 +4,12 @@ One progress rule drives every step: a sequence has tokens whose KV is not compu
 (``pending``); a forward computes up to the step's token budget of them, and when none are left
 it samples the next token. A prompt is a prefill step with many pending tokens (split over
 forwards when it exceeds the budget); a decode step has exactly one, the token sampled last.
+
+A request may hold several sequences: its main one and named branches (``seq`` input) made by
+``fork``, which share the parent's KV blocks by reference count. ``extend`` and ``attend`` run
+model-defined query tokens (image latents, noisy actions) over a sequence's cached prefix and,
+in both directions, over each other; ``extend`` keeps their KV, ``attend`` writes it to scratch
+blocks of a throw-away fork and frees them when the forward ends (see ``engines/kv/queries.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ from mstar_async.engines.kv import (
     blocks_for_budget,
     select_attention_backend,
 )
+from mstar_async.engines.kv.queries import QueryModel, run_queries
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError, KVCacheFull
 
 GREEDY = SamplingParams(temperature=0.0)
+TOKEN_OPS = ("prefill", "decode")
+QUERY_OPS = ("extend", "attend")
+OPS = (*TOKEN_OPS, "fork", *QUERY_OPS)
 
 
 class PagedModel(Protocol):
@@ -81,6 +91,16 @@ class KVCacheEngine:
       (``SamplingParams``) -> ``token`` (the sampled next id, a 0-dim long tensor). A second
       prefill of the same request appends to its sequence (multi-turn, or image then text).
     - ``decode``: ``token`` (the last sampled id) -> ``token``.
+    - ``fork``: ``seq`` (a new branch name), optional ``parent`` (a branch name; the main
+      sequence if absent) -> ``seq``. The branch shares every KV block of the parent (no
+      memory is taken; copy-on-write on append). Forking the main sequence before anything
+      was prefilled gives an empty branch.
+    - ``extend``: the model's query inputs -> the model's outputs; the new tokens' KV stays.
+    - ``attend``: the same, but the new tokens' KV is dropped after the forward.
+
+    Every op but ``fork`` takes an optional ``seq``: the branch it runs on (the main sequence if
+    absent). ``extend`` and ``attend`` need a model with ``QueryModel``'s methods. ``release``
+    frees the request's main sequence and every branch.
 
     KV capacity comes from ``kv_cache_bytes`` (or ``num_blocks``). When the pool cannot hold a
     step, the step waits (the loop resubmits it) while others make progress; a forward in which
@@ -132,20 +152,43 @@ class KVCacheEngine:
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
         self.model = model
         self._forward = _maybe_compile(model.forward, compile)
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[Hashable, _Sequence] = {}
+        self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
+        self._peak_blocks = 0
 
     @property
     def blocks_in_use(self) -> int:
         """KV blocks held by live sequences."""
         return self.allocator.num_used_blocks
 
+    @property
+    def peak_blocks_in_use(self) -> int:
+        """The most KV blocks held at once since the engine was built or ``reset_peak``, scratch
+        blocks of ``attend`` forwards included."""
+        return self._peak_blocks
+
+    def reset_peak(self) -> None:
+        """Start ``peak_blocks_in_use`` again from the blocks held now."""
+        self._peak_blocks = self.allocator.num_used_blocks
+
+    def _observe_blocks(self) -> None:
+        self._peak_blocks = max(self._peak_blocks, self.allocator.num_used_blocks)
+
     def cost(self, step: Step) -> int:
-        """Tokens the step still has to compute: its prompt (what is left of it), or 1."""
-        seq = self._sequences.get(step.request_id)
+        """Tokens the step still has to compute: its prompt (what is left of it), an
+        ``extend``/``attend`` step's query tokens (never split over forwards), or 1."""
+        seq = self._sequences.get(_key(step))
         if step.op == "prefill":
             if seq is not None and seq.prefill is step:
                 return max(1, len(seq.pending))
             return max(1, len(_token_list(step.inputs["tokens"])))
+        if step.op in QUERY_OPS:
+            # The batching loop asks before any forward: a bad step costs 1 here and gets its
+            # error from ``forward``, where it fails that request alone.
+            try:
+                return max(1, self._query_model().query_length(step.inputs))
+            except EngineError:
+                return 1
         return 1
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -160,6 +203,27 @@ class KVCacheEngine:
             EngineError: an unknown op, a decode for a request that never prefilled, a step
                 without tokens.
         """
+        for step in steps:
+            if step.op not in OPS:
+                raise EngineError(f"KVCacheEngine has no op {step.op!r}; ops: {', '.join(OPS)}")
+        results: list[StepResult] = [None] * len(steps)
+        for i, step in enumerate(steps):
+            if step.op == "fork":
+                results[i] = self._fork(step)
+        token_idx = [i for i, s in enumerate(steps) if s.op in TOKEN_OPS]
+        if token_idx:
+            token_results = self._forward_tokens([steps[i] for i in token_idx])
+            for i, result in zip(token_idx, token_results, strict=True):
+                results[i] = result
+        for op in QUERY_OPS:
+            idx = [i for i, s in enumerate(steps) if s.op == op]
+            if idx:
+                batch = [steps[i] for i in idx]
+                for i, result in zip(idx, self._forward_queries(op, batch), strict=True):
+                    results[i] = result
+        return results
+
+    def _forward_tokens(self, steps: Sequence[Step]) -> list[StepResult]:
         work = [self._admit_tokens(step) for step in steps]
         admitted, results = self._fit(steps, work)
         if admitted:
@@ -168,6 +232,85 @@ class KVCacheEngine:
             for i, token in sampled.items():
                 results[i] = {"token": token}
         return results
+
+    def _forward_queries(self, op: str, steps: Sequence[Step]) -> list[StepResult]:
+        """One forward of the query steps that are well formed; the others get their error."""
+        model = self._query_model()
+        results: list[StepResult] = [None] * len(steps)
+        good: list[int] = []
+        keys: list[Hashable] = []
+        for i, step in enumerate(steps):
+            key = _key(step)
+            try:
+                model.query_length(step.inputs)
+            except EngineError as exc:
+                results[i] = exc
+                continue
+            if key not in self._sequences:
+                if op == "attend" or key != step.request_id:
+                    results[i] = EngineError(
+                        f"request {step.request_id}: {op} on sequence {_name(key)!r}, which "
+                        "does not exist; prefill or fork it first"
+                    )
+                    continue
+                self._new_sequence(key, GREEDY)
+            good.append(i)
+            keys.append(key)
+        if not good:
+            return results
+        with torch.inference_mode():
+            outputs = run_queries(
+                model,
+                op,
+                [steps[i] for i in good],
+                keys,
+                allocator=self.allocator,
+                copy_blocks=self.cache.copy_blocks,
+                plan=self.backend.plan,
+                attention=lambda meta: StepAttention(self.cache, self.backend, meta),
+                keep=op == "extend",
+                observe=self._observe_blocks,
+            )
+        for i, result in zip(good, outputs, strict=True):
+            results[i] = result
+        return results
+
+    def _query_model(self) -> QueryModel:
+        if not isinstance(self.model, QueryModel):
+            raise EngineError(
+                f"{type(self.model).__name__} cannot run extend/attend: it needs query_length "
+                "and forward_queries (see engines/kv/queries.py QueryModel)"
+            )
+        return self.model
+
+    def _fork(self, step: Step) -> StepResult:
+        name = step.inputs.get("seq")
+        if not isinstance(name, str) or not name:
+            return EngineError(f"request {step.request_id}: fork needs seq=<new branch name>")
+        parent_name = step.inputs.get("parent")
+        parent = step.request_id if not parent_name else (step.request_id, parent_name)
+        child = (step.request_id, name)
+        if parent == step.request_id and parent not in self._sequences:
+            self._new_sequence(parent, GREEDY)
+        source = self._sequences.get(parent)
+        if source is None:
+            return EngineError(
+                f"request {step.request_id}: cannot fork {name!r} from {parent_name!r}, which "
+                "does not exist; fork or prefill it first"
+            )
+        if child in self._sequences:
+            return EngineError(f"request {step.request_id}: branch {name!r} already exists")
+        if source.pending:
+            return EngineError(
+                f"request {step.request_id}: cannot fork {_name(parent)!r} while its prefill is "
+                "still being computed"
+            )
+        self.allocator.fork(parent, child)
+        self._sequences[child] = _Sequence(
+            source.params, make_generator(source.params.seed, self.device)
+        )
+        self._branches.setdefault(step.request_id, set()).add(child)
+        return {"seq": name}
 
     def export_state(self, request_id: str) -> dict[str, Any] | None:
         """Everything held for ``request_id`` (its KV, pending tokens, sampling state), then
@@ -228,10 +371,12 @@ class KVCacheEngine:
             self.cache.write(layer, slots, kv[layer, 0], kv[layer, 1])
 
     def release(self, request_id: str) -> None:
-        """Free the request's KV blocks and sampling state; idempotent."""
-        self._sequences.pop(request_id, None)
-        if self.allocator.has(request_id):
-            self.allocator.free(request_id)
+        """Free the request's KV blocks (main sequence and branches) and sampling state;
+        idempotent."""
+        for key in [request_id, *self._branches.pop(request_id, ())]:
+            self._sequences.pop(key, None)
+            if self.allocator.has(key):
+                self.allocator.free(key)
 
     def _admit_tokens(self, step: Step) -> list[int]:
         """The tokens this step computes now (its budget's worth of its pending tokens)."""
@@ -248,19 +393,22 @@ class KVCacheEngine:
         return seq.pending[:budget]
 
     def _sequence_for(self, step: Step) -> _Sequence:
-        seq = self._sequences.get(step.request_id)
+        key = _key(step)
+        seq = self._sequences.get(key)
         if seq is not None:
             return seq
         if step.op == "decode":
             raise EngineError(
                 f"request {step.request_id}: decode before prefill; run prefill first"
             )
-        if step.op != "prefill":
-            raise EngineError(f"KVCacheEngine has no op {step.op!r}; ops: prefill, decode")
-        params = step.inputs.get("sampling") or GREEDY
+        return self._new_sequence(key, step.inputs.get("sampling") or GREEDY)
+
+    def _new_sequence(self, key: Hashable, params: SamplingParams) -> _Sequence:
         seq = _Sequence(params, make_generator(params.seed, self.device))
-        self._sequences[step.request_id] = seq
-        self.allocator.add(step.request_id)
+        self._sequences[key] = seq
+        self.allocator.add(key)
+        if isinstance(key, tuple):
+            self._branches.setdefault(key[0], set()).add(key)
         return seq
 
     def _fit(
@@ -268,15 +416,13 @@ class KVCacheEngine:
     ) -> tuple[list[int], list[StepResult]]:
         """Which steps run now (all, usually), and the results of those that cannot."""
         results: list[StepResult] = [None] * len(steps)
-        wanted: dict[Hashable, int] = {
-            s.request_id: len(w) for s, w in zip(steps, work, strict=True)
-        }
+        wanted: dict[Hashable, int] = {_key(s): len(w) for s, w in zip(steps, work, strict=True)}
         if self.allocator.can_append_batch(wanted):
             return list(range(len(steps))), results
         admitted: list[int] = []
         chosen: dict[Hashable, int] = {}
         for i, step in enumerate(steps):
-            trial = {**chosen, step.request_id: len(work[i])}
+            trial = {**chosen, _key(step): len(work[i])}
             if self.allocator.can_append_batch(trial):
                 chosen, admitted = trial, [*admitted, i]
             else:
@@ -287,8 +433,8 @@ class KVCacheEngine:
 
     def _wait_or_fail(self, step: Step) -> StepResult:
         capacity = self.allocator.num_blocks * self.allocator.block_size
-        seq = self._sequences[step.request_id]
-        total = self.allocator.num_tokens(step.request_id) + len(seq.pending)
+        seq = self._sequences[_key(step)]
+        total = self.allocator.num_tokens(_key(step)) + len(seq.pending)
         if total <= capacity:
             return WAIT
         return KVCacheFull(
@@ -301,7 +447,7 @@ class KVCacheEngine:
         # the newest waiting request gives way.
         holders = {s for s in self.allocator.seq_ids() if self.allocator.num_tokens(s) > 0}
         waiting = [i for i, r in enumerate(results) if r is WAIT]
-        if waiting and holders <= {s.request_id for s in steps}:
+        if waiting and holders <= {_key(s) for s in steps}:
             victim = waiting[-1]
             results[victim] = KVCacheFull(
                 f"request {steps[victim].request_id} was preempted: the KV cache "
@@ -312,7 +458,8 @@ class KVCacheEngine:
     def _run(
         self, steps: Sequence[Step], work: list[list[int]], admitted: list[int]
     ) -> dict[int, torch.Tensor]:
-        plans = self.allocator.append_batch({steps[i].request_id: len(work[i]) for i in admitted})
+        plans = self.allocator.append_batch({_key(steps[i]): len(work[i]) for i in admitted})
+        self._observe_blocks()
         self.cache.copy_blocks([c for plan in plans for c in plan.copies])
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
         flat = [t for i in admitted for t in work[i]]
@@ -322,7 +469,7 @@ class KVCacheEngine:
         rows: list[int] = []
         end = 0
         for i in admitted:
-            seq = self._sequences[steps[i].request_id]
+            seq = self._sequences[_key(steps[i])]
             end += len(work[i])
             del seq.pending[: len(work[i])]
             if not seq.pending:
@@ -332,9 +479,21 @@ class KVCacheEngine:
         if not finishing:
             return {}
         logits = self.model.compute_logits(hidden[rows]).float()
-        seqs = [self._sequences[steps[i].request_id] for i in finishing]
+        seqs = [self._sequences[_key(steps[i])] for i in finishing]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return {i: tokens[k] for k, i in enumerate(finishing)}
+
+
+def _key(step: Step) -> Hashable:
+    """The allocator key of the sequence a step runs on: the request id for its main sequence
+    (so a request without branches is keyed exactly as before), ``(request, name)`` for a
+    branch."""
+    name = step.inputs.get("seq")
+    return step.request_id if not name else (step.request_id, str(name))
+
+
+def _name(key: Hashable) -> str:
+    return str(key[1]) if isinstance(key, tuple) else "main"
 
 
 def _maybe_compile(fn: Any, compile: bool | str) -> Any:

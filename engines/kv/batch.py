@@ -25,7 +25,9 @@ class BatchLayout:
     Sequence ``i`` contributes ``query_lens[i]`` query tokens: the *last* ``query_lens[i]``
     tokens of its ``context_lens[i]`` cached tokens (their K/V already written). Query ``j`` of
     it sees keys ``0 .. context_lens[i] - query_lens[i] + j``. Prefill, chunked prefill and
-    decode (query length 1) mix freely.
+    decode (query length 1) mix freely. With ``causal=False`` every query of a sequence sees
+    all of its ``context_lens[i]`` keys: the new tokens attend to the cached prefix and to each
+    other in both directions (the latent tokens of an image, the noisy actions of a policy).
 
     Attributes:
         block_size: tokens per block.
@@ -35,6 +37,8 @@ class BatchLayout:
         query_lens: query tokens each sequence contributes (>= 1, <= its context length).
         slot_mapping: flat slot of every query token, concatenated in batch order; this is
             where the layer writes the token's K and V.
+        causal: whether queries see only earlier keys (the default) or every key of their
+            sequence.
     """
 
     # Why tuples in a frozen dataclass: a layout is built once per step and read by every layer
@@ -45,6 +49,7 @@ class BatchLayout:
     context_lens: tuple[int, ...]
     query_lens: tuple[int, ...]
     slot_mapping: tuple[int, ...]
+    causal: bool = True
 
     def __post_init__(self) -> None:
         """Check the fields agree with each other.
@@ -85,12 +90,17 @@ class BatchLayout:
 
     @classmethod
     def from_allocator(
-        cls, allocator: PagedKVAllocator, queries: Iterable[tuple[Hashable, int]]
+        cls,
+        allocator: PagedKVAllocator,
+        queries: Iterable[tuple[Hashable, int]],
+        *,
+        causal: bool = True,
     ) -> BatchLayout:
         """Build a layout from the allocator's current tables.
 
         ``queries`` gives ``(seq_id, query_len)`` in batch order; each sequence's last
-        ``query_len`` tokens are its queries (append them to the allocator first).
+        ``query_len`` tokens are its queries (append them to the allocator first). ``causal``
+        is the layout's field of that name.
 
         Raises:
             EngineError: an unknown id, a repeated id, or a query length outside
@@ -116,10 +126,12 @@ class BatchLayout:
             ctxs.append(ctx)
             qlens.append(q)
             slots.extend(table[p // bs] * bs + p % bs for p in range(ctx - q, ctx))
-        return cls(bs, tuple(ids), tuple(tables), tuple(ctxs), tuple(qlens), tuple(slots))
+        return cls(bs, tuple(ids), tuple(tables), tuple(ctxs), tuple(qlens), tuple(slots), causal)
 
     @classmethod
-    def from_plans(cls, allocator: PagedKVAllocator, plans: Sequence[AppendPlan]) -> BatchLayout:
+    def from_plans(
+        cls, allocator: PagedKVAllocator, plans: Sequence[AppendPlan], *, causal: bool = True
+    ) -> BatchLayout:
         """Build a layout whose queries are exactly the tokens each plan appended.
 
         Raises:
@@ -131,7 +143,9 @@ class BatchLayout:
                 raise EngineError(
                     f"stale append plan for {plan.seq_id!r}: it ended at {plan.end} tokens"
                 )
-        layout = cls.from_allocator(allocator, [(p.seq_id, p.num_new_tokens) for p in plans])
+        layout = cls.from_allocator(
+            allocator, [(p.seq_id, p.num_new_tokens) for p in plans], causal=causal
+        )
         expected = tuple(s for p in plans for s in p.slots)
         assert layout.slot_mapping == expected, "allocator tables disagree with their plans"
         return layout

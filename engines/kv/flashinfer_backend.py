@@ -110,7 +110,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._plan_id = 0
 
     def plan(self, layout: BatchLayout) -> FlashInferAttentionMetadata:
-        """Plan the decode wrapper (all query lengths 1) or the causal prefill wrapper.
+        """Plan the decode wrapper (all query lengths 1) or the prefill wrapper (causal or not, as
+        the layout says).
 
         Invalidates metadata from any earlier ``plan`` of this backend.
 
@@ -159,7 +160,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 spec.num_kv_heads,
                 spec.head_dim,
                 bs,
-                causal=True,
+                causal=layout.causal,
                 sm_scale=spec.softmax_scale,
                 q_data_type=spec.dtype,
                 kv_data_type=spec.dtype,

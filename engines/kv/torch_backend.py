@@ -135,7 +135,16 @@ class TorchAttentionBackend(AttentionBackend):
             q_rows, out_rows, out_src = (self._long(x) for x in (rows, real, src))
         mask: torch.Tensor | None = None
         is_causal = False
-        if len(idx) == 1 and qs[0] == ls[0] and max_q > 1:
+        if not layout.causal:
+            if any(c != key_len for c in ls):
+                # Queries see their whole sequence; only keys past its end are masked.
+                lens = torch.tensor(ls, device=self.device).view(-1, 1, 1)
+                key = torch.arange(key_len, device=self.device).view(1, 1, -1)
+                visible = (key < lens).expand(-1, max_q, -1)
+                mask = torch.zeros(visible.shape, dtype=self.spec.dtype, device=self.device)
+                mask.masked_fill_(~visible, float("-inf"))
+                mask = mask.unsqueeze(1)
+        elif len(idx) == 1 and qs[0] == ls[0] and max_q > 1:
             is_causal = True  # a fresh prefill: top-left causal is exactly right
         elif not (max_q == 1 and all(c == key_len for c in ls)):
             lens = torch.tensor(ls, device=self.device).view(-1, 1, 1)

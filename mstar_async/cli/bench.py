@@ -131,6 +131,7 @@ def add_bench_parser(sub: Any) -> None:
     transport.set_defaults(handler=_transport)
     _add_rollout_parser(kinds)
     _add_vla_parser(kinds)
+    _add_image_parser(kinds)
 
 
 def _add_rollout_parser(kinds: Any) -> None:
@@ -227,6 +228,51 @@ def _vla(args: argparse.Namespace, _: list[str]) -> int:
         print(f"mstar bench vla: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_vla(report))
+    return 0
+
+
+def _add_image_parser(kinds: Any) -> None:
+    image = kinds.add_parser(
+        "image",
+        help="bagel p50 latency: forked-KV CFG vs dense-concatenation CFG vs sequential branches",
+        description=(
+            "End-to-end p50 latency of the bagel model for text-to-image and editing at several "
+            "concurrencies, with its CFG branches as forks of the prompt's paged KV, as dense "
+            "concatenation (each branch recomputes its context every step) and one after another."
+        ),
+    )
+    image.add_argument("--quick", action="store_true", help="N=1,2, 3 steps, 1 repetition")
+    image.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    image.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
+    image.add_argument("--concurrency", type=_concurrency, help="request counts (1,2,4,8)")
+    image.add_argument("--steps", type=_positive, help="denoising steps (8)")
+    image.add_argument("--repeat", type=_positive, help="repetitions (3)")
+    image.add_argument("--threads", type=_positive, help="torch intra-op threads (1)")
+    image.add_argument("--plot", type=Path, help="also draw the figures to this PNG (matplotlib)")
+    image.set_defaults(handler=_image)
+
+
+def _image(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from benchmarks.common import ProgressLog
+        from benchmarks.image import configure, format_report, plot_report, preset, run_image_sync
+
+        config = configure(
+            preset(args.quick),
+            size=args.size,
+            concurrency=args.concurrency,
+            steps=args.steps,
+            repeat=args.repeat,
+            threads=args.threads,
+        )
+        report = run_image_sync(config, ProgressLog())
+        if args.plot is not None:
+            plot_report(report, str(args.plot))
+    except MstarError as exc:
+        print(f"mstar bench image: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

@@ -12,7 +12,9 @@ import inspect
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mstar_async.errors import MstarError
@@ -30,6 +32,9 @@ def add_run_parser(sub: Any) -> None:
     )
     run.add_argument("model", help="a model name from 'mstar models'")
     run.add_argument("--json", action="store_true", help="print a JSON summary")
+    run.add_argument(
+        "-o", "--output", type=Path, help="write the image the request makes to this .png file"
+    )
     run.set_defaults(handler=_run)
 
 
@@ -77,10 +82,16 @@ class RunSummary:
     action_values: list[float] = field(default_factory=list)
 
 
-async def run_request(model: Model, inputs: dict[str, Any], *, echo: bool = False) -> RunSummary:
+async def run_request(
+    model: Model,
+    inputs: dict[str, Any],
+    *,
+    echo: bool = False,
+    sink: Callable[[Any], None] | None = None,
+) -> RunSummary:
     """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs.
 
-    With ``echo``, text is printed to stdout as it is generated.
+    With ``echo``, text is printed to stdout as it is generated; ``sink`` sees every output.
     """
     from mstar_async.runtime import open_runtime
 
@@ -94,6 +105,8 @@ async def run_request(model: Model, inputs: dict[str, Any], *, echo: bool = Fals
                 if echo and isinstance(item, TextDelta):
                     print(item.text, end="", flush=True)
                 _account(summary, item)
+                if sink is not None:
+                    sink(item)
         if echo and summary.text:
             print()
         summary.seconds_total = time.perf_counter() - started
@@ -145,11 +158,24 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"building {args.model} ...", file=sys.stderr)
         model = build_model(args.model)
         inputs = parse_inputs(model, extra)
+        saver = _image_saver(args)
         summary: RunSummary = run_async(
-            functools.partial(run_request, echo=not args.json), model, inputs
+            functools.partial(run_request, echo=not args.json, sink=saver), model, inputs
         )
     except MstarError as exc:
         print(f"mstar run: {exc}", file=sys.stderr)
         return 2
     _print(summary, args.json)
+    if saver is not None:
+        for path in saver.saved:
+            print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _image_saver(args: argparse.Namespace) -> Any:
+    output = getattr(args, "output", None)
+    if output is None or output.suffix.lower() != ".png":
+        return None
+    from mstar_async.cli.images import ImageSaver
+
+    return ImageSaver(output)

@@ -55,3 +55,17 @@ def test_quickstart_example_runs() -> None:
     )
     assert "first audio after" in result.stdout
     assert "image: (3, 16, 16)" in result.stdout
+
+
+def test_mstar_run_bagel_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    out = tmp_path / "out.png"
+    argv = ["run", "bagel", "--prompt", "a red circle", "--steps", "2", "-o", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "image: 3x64x64" in printed
+    assert f"wrote {out}" in printed
+    assert "request took" in printed
+    with Image.open(out) as image:
+        assert image.size == (64, 64) and image.mode == "RGB"
