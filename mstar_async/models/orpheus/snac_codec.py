@@ -23,6 +23,7 @@ the window's stream position, so a window decodes to the same samples whenever i
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,17 +56,27 @@ SNAC_TINY: dict[str, Any] = {**SNAC_24KHZ, "encoder_dim": 8, "decoder_dim": 64}
 """The same rates and codebooks with narrow convolutions: 24 kHz, 2048 samples per frame."""
 
 
+def _snac_class() -> Any:
+    # snac compiles its activation with torch.jit.script at import, which recent torch
+    # deprecates with a warning; the codec works the same, so that one warning is silenced.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*torch.jit.script.*", category=DeprecationWarning
+        )
+        from snac import SNAC
+    return SNAC
+
+
 def build_snac(config: dict[str, Any], seed: int) -> Any:
     """``snac.SNAC(**config)`` with weights drawn from ``seed`` (the global RNG is untouched).
 
     Raises:
         TypeError: ``config`` names an argument SNAC does not take.
     """
-    from snac import SNAC
-
+    snac = _snac_class()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return SNAC(**config).eval()
+        return snac(**config).eval()
 
 
 def load_snac(folder: str | Path) -> Any:
@@ -74,8 +85,7 @@ def load_snac(folder: str | Path) -> Any:
     Raises:
         CheckpointError: a file is missing or unreadable, or the weights do not fit the config.
     """
-    from snac import SNAC
-
+    snac = _snac_class()
     folder = Path(folder)
     config_path, weights_path = folder / "config.json", folder / "pytorch_model.bin"
     for path in (config_path, weights_path):
@@ -86,7 +96,7 @@ def load_snac(folder: str | Path) -> Any:
             )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        model = SNAC(**config)
+        model = snac(**config)
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
