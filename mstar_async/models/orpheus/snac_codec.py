@@ -123,7 +123,7 @@ class SnacWindowDecoder:
             return torch.zeros(0)
         with torch.inference_mode(), torch.random.fork_rng():
             torch.manual_seed(seed)
-            audio = self.snac.decode(codebooks(frames))
+            audio: torch.Tensor = self.snac.decode(codebooks(frames))
         return audio.reshape(-1).float()
 
     def window_pcm(self, chunk: Chunk) -> torch.Tensor:
