@@ -25,6 +25,7 @@ from mstar_async.models.checkpoints import ChatTokenizer
 from mstar_async.models.orpheus.lm import SIZES, build_lm_engine, hf_config
 from mstar_async.models.orpheus.snac_codec import (
     SNAC_24KHZ,
+    SNAC_SMALL,
     SNAC_TINY,
     STRIDE,
     WINDOW,
@@ -41,7 +42,7 @@ from mstar_async.policies import SlidingWindowChunkPolicy
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 SAMPLE_RATE = 24_000
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-_SNAC_CONFIGS = {"tiny": SNAC_TINY, "small": SNAC_24KHZ}
+_SNAC_CONFIGS = {"tiny": SNAC_TINY, "small": SNAC_SMALL, "full": SNAC_24KHZ}
 
 
 def _snac_engine(
@@ -110,19 +111,25 @@ def build_orpheus(
     device: str = "cpu",
     max_iterations: int = 4096,
     voices: tuple[str, ...] = VOICES,
+    snac: str | None = None,
 ) -> Model:
     """Build Orpheus: seeded weights at ``size`` (``tiny``, ``small``), or a real checkpoint.
 
     ``path`` is an Orpheus Hugging Face folder (Llama config, safetensors weights by upstream
     names, tokenizer.json); ``snac_path`` a SNAC folder (config.json, pytorch_model.bin). Either
-    replaces its seeded part. The tokenizer loads here; weights load when engines are built.
+    replaces its seeded part. ``snac`` picks the seeded codec's config instead of the size's:
+    ``tiny``, ``small`` or ``full`` (``hubertsiuzdak/snac_24khz``'s). The tokenizer loads here;
+    weights load when engines are built.
 
     Raises:
         CheckpointError: a folder lacks a file it needs, or its tokenizer lacks Orpheus' tokens.
-        ValueError: an unknown ``size`` or ``dtype``.
+        ValueError: an unknown ``size``, ``snac`` or ``dtype``.
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    snac_config = _SNAC_CONFIGS.get(snac or size)
+    if snac_config is None:
+        raise ValueError(f"snac must be one of {sorted(_SNAC_CONFIGS)}, got {snac!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     folder = Path(path) if path is not None else None
@@ -139,7 +146,7 @@ def build_orpheus(
         device=device,
     )
     snac_folder = Path(snac_path) if snac_path is not None else None
-    codec = functools.partial(_snac_engine, vocab, snac_folder, _SNAC_CONFIGS[size], seed + 7)
+    codec = functools.partial(_snac_engine, vocab, snac_folder, snac_config, seed + 7)
     speak = DynamicLoop(
         "decode",
         until=_until(vocab.end_of_speech),
