@@ -65,7 +65,7 @@ def test_stray_tokens_are_skipped_and_frames_survive(
         tokens.insert(rnd.randint(0, len(tokens)), token)
     parsed, ends = parse_frames(tokens, VOCAB)
     assert parsed == frames
-    assert all(VOCAB.split_code(tokens[e]) == (6, f[6]) for e, f in zip(ends, frames))
+    assert all(VOCAB.split_code(tokens[e]) == (6, f[6]) for e, f in zip(ends, frames, strict=True))
 
 
 def test_a_broken_frame_is_dropped_whole() -> None:
@@ -212,3 +212,18 @@ def test_missing_checkpoint_files_are_named(tmp_path: Path) -> None:
     (lm_dir / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
         build_model("orpheus", path=lm_dir)
+
+
+@pytest.mark.timeout(60)
+def test_transformers_reads_the_folder_and_picks_the_same_first_code(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    lm_dir, _ = write_orpheus_folders(tmp_path)
+    ids = _request_ids("Hello there", "leo")
+    reference = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = int(reference(torch.tensor([ids])).logits[0, -1].argmax())
+    engine = build_model("orpheus", path=lm_dir).components["lm"]()
+    [result] = engine.forward([Step("r", "prefill", {"tokens": ids})])
+    assert int(result["token"]) == expected
+    assert VOCAB.split_code(expected) is not None and VOCAB.split_code(expected)[0] == 0
