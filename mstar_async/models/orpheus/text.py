@@ -21,8 +21,9 @@ END_OF_TURN = "<|eot_id|>"
 
 
 def byte_tokenizer() -> ChatTokenizer:
-    """A byte-level tokenizer: ids 0..255 are bytes, then BOS, end-of-text, end-of-turn (256..258),
-    then ``<custom_token_0..9>`` (259..268). Encoding adds BOS, as Llama 3's does."""
+    """A byte-level tokenizer: ids 0..255 are the 256 byte tokens, then BOS, end-of-text and
+    end-of-turn (256..258), then ``<custom_token_0..9>`` (259..268). Encoding adds BOS, as
+    Llama 3's does. Never raises."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
