@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,23 +35,18 @@ def save_png(image: torch.Tensor, path: Path) -> None:
         raise MstarError(f"cannot write {path}: {exc}") from exc
 
 
-class ImageSaver:
-    """Receives a request's outputs and writes each image to ``path`` (the second one to
-    ``stem-1.png``, and so on); ``saved`` lists the files written."""
+def write_images(path: Path, images: list[ImageOutput]) -> str:
+    """Write each image to ``path`` (the second to ``stem-1.png``, and so on); return a line
+    naming the files written.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.saved: list[Path] = []
-
-    def __call__(self, item: Any) -> None:
-        """Write ``item`` if it is an ``ImageOutput``; ignore anything else.
-
-        Raises:
-            MstarError: as ``save_png``.
-        """
-        if not isinstance(item, ImageOutput):
-            return
-        k = len(self.saved)
-        target = self.path if k == 0 else self.path.with_stem(f"{self.path.stem}-{k}")
+    Raises:
+        MstarError: there is no image, or as ``save_png``.
+    """
+    if not images:
+        raise MstarError(f"the request produced no image to save in {path}")
+    written = []
+    for k, item in enumerate(images):
+        target = path if k == 0 else path.with_stem(f"{path.stem}-{k}")
         save_png(item.image, target)
-        self.saved.append(target)
+        written.append(str(target))
+    return f"wrote {', '.join(written)}"

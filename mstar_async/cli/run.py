@@ -2,6 +2,9 @@
 
 Any ``--name value`` after the model becomes the request input ``name`` (dashes become
 underscores), converted to the type of that input's default in the model's program.
+``-o/--output PATH`` saves what the request produced; the writer is chosen by the file's
+extension from ``OUTPUT_WRITERS`` (audio: .wav, .flac, .ogg, .pcm, .raw, .f32), so a new kind of
+output registers its extensions there with ``register_output_writer``.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import inspect
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mstar_async.audio import EXTENSIONS as AUDIO_EXTENSIONS
+from mstar_async.audio import write_audio
 from mstar_async.errors import MstarError
 from mstar_async.graph import Model
 from mstar_async.models import build_model
@@ -33,7 +38,10 @@ def add_run_parser(sub: Any) -> None:
     run.add_argument("model", help="a model name from 'mstar models'")
     run.add_argument("--json", action="store_true", help="print a JSON summary")
     run.add_argument(
-        "-o", "--output", type=Path, help="write the image the request makes to this .png file"
+        "-o",
+        "--output",
+        metavar="PATH",
+        help=f"save the outputs; the extension picks the format ({', '.join(OUTPUT_WRITERS)})",
     )
     run.set_defaults(handler=_run)
 
@@ -65,12 +73,57 @@ def parse_inputs(model: Model, extra: list[str]) -> dict[str, Any]:
     return inputs
 
 
+OutputWriter = Callable[[Path, Sequence[Any]], str]
+"""Saves a request's outputs (all of them, in order) to a path; returns a line saying what."""
+
+OUTPUT_WRITERS: dict[str, OutputWriter] = {}
+
+
+def register_output_writer(extensions: Iterable[str], writer: OutputWriter) -> None:
+    """Make ``-o`` save files with these extensions (".wav", ...) through ``writer``."""
+    for extension in extensions:
+        OUTPUT_WRITERS[extension.lower()] = writer
+
+
+def _write_audio_output(path: Path, outputs: Sequence[Any]) -> str:
+    chunks = [o for o in outputs if isinstance(o, AudioChunk)]
+    if not chunks:
+        raise MstarError(f"the request produced no audio to save in {path}")
+    samples = write_audio(path, chunks)
+    return f"wrote {path}: {samples} samples at {chunks[0].sample_rate} Hz"
+
+
+def _write_image_output(path: Path, outputs: Sequence[Any]) -> str:
+    from mstar_async.cli.images import write_images
+
+    return write_images(path, [o for o in outputs if isinstance(o, ImageOutput)])
+
+
+register_output_writer(AUDIO_EXTENSIONS, _write_audio_output)
+register_output_writer([".png"], _write_image_output)
+
+
+def output_writer(path: str | Path) -> OutputWriter:
+    """The writer for ``path``'s extension.
+
+    Raises:
+        MstarError: no writer takes that extension (the message lists those that exist).
+    """
+    writer = OUTPUT_WRITERS.get(Path(path).suffix.lower())
+    if writer is None:
+        raise MstarError(
+            f"cannot save outputs as {str(path)!r}: use one of {', '.join(OUTPUT_WRITERS)}"
+        )
+    return writer
+
+
 @dataclass
 class RunSummary:
     """What one request produced, and when."""
 
     model: str
     seconds_to_first_output: float | None = None
+    seconds_to_first_audio: float | None = None
     seconds_total: float = 0.0
     audio_chunks: int = 0
     audio_seconds: float = 0.0
@@ -81,17 +134,23 @@ class RunSummary:
     actions: list[list[int]] = field(default_factory=list)
     action_values: list[float] = field(default_factory=list)
 
+    @property
+    def real_time_factor(self) -> float | None:
+        """End-to-end seconds per second of audio (below 1: faster than real time)."""
+        return self.seconds_total / self.audio_seconds if self.audio_seconds else None
+
 
 async def run_request(
     model: Model,
     inputs: dict[str, Any],
     *,
     echo: bool = False,
-    sink: Callable[[Any], None] | None = None,
+    keep: list[Any] | None = None,
 ) -> RunSummary:
     """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs.
 
-    With ``echo``, text is printed to stdout as it is generated; ``sink`` sees every output.
+    With ``echo``, text is printed to stdout as it is generated; ``keep`` collects every
+    output, in order (for saving them).
     """
     from mstar_async.runtime import open_runtime
 
@@ -100,13 +159,16 @@ async def run_request(
         started = time.perf_counter()
         async with runtime.generate(**inputs) as outputs:
             async for item in outputs:
+                now = time.perf_counter() - started
                 if summary.seconds_to_first_output is None:
-                    summary.seconds_to_first_output = time.perf_counter() - started
+                    summary.seconds_to_first_output = now
+                if isinstance(item, AudioChunk) and summary.seconds_to_first_audio is None:
+                    summary.seconds_to_first_audio = now
+                if keep is not None:
+                    keep.append(item)
                 if echo and isinstance(item, TextDelta):
                     print(item.text, end="", flush=True)
                 _account(summary, item)
-                if sink is not None:
-                    sink(item)
         if echo and summary.text:
             print()
         summary.seconds_total = time.perf_counter() - started
@@ -131,13 +193,18 @@ def _account(summary: RunSummary, item: Any) -> None:
 
 def _print(summary: RunSummary, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(summary.__dict__))
+        print(json.dumps({**summary.__dict__, "real_time_factor": summary.real_time_factor}))
         return
     first = summary.seconds_to_first_output
     if summary.audio_chunks:
         print(
             f"audio: {summary.audio_chunks} chunks, {summary.audio_seconds:.2f} s at "
             f"{summary.sample_rate} Hz"
+        )
+    if summary.seconds_to_first_audio is not None and summary.real_time_factor is not None:
+        print(
+            f"TTFA {summary.seconds_to_first_audio * 1000:.1f} ms; "
+            f"RTF {summary.real_time_factor:.3f} (end-to-end time / audio duration)"
         )
     for shape in summary.images:
         print(f"image: {'x'.join(map(str, shape))}")
@@ -156,26 +223,18 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         print(f"building {args.model} ...", file=sys.stderr)
+        writer = output_writer(args.output) if args.output else None
         model = build_model(args.model)
         inputs = parse_inputs(model, extra)
-        saver = _image_saver(args)
+        outputs: list[Any] = []
         summary: RunSummary = run_async(
-            functools.partial(run_request, echo=not args.json, sink=saver), model, inputs
+            functools.partial(run_request, echo=not args.json, keep=outputs), model, inputs
         )
+        saved = writer(Path(args.output), outputs) if writer is not None else None
     except MstarError as exc:
         print(f"mstar run: {exc}", file=sys.stderr)
         return 2
     _print(summary, args.json)
-    if saver is not None:
-        for path in saver.saved:
-            print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    if saved:
+        print(saved, file=sys.stderr if args.json else sys.stdout)
     return 0
-
-
-def _image_saver(args: argparse.Namespace) -> Any:
-    output = getattr(args, "output", None)
-    if output is None or output.suffix.lower() != ".png":
-        return None
-    from mstar_async.cli.images import ImageSaver
-
-    return ImageSaver(output)

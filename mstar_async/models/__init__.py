@@ -5,6 +5,7 @@ from __future__ import annotations
 from mstar_async.models import bagel as _bagel  # noqa: F401  (registers "bagel")
 from mstar_async.models import causal_lm as _causal_lm  # noqa: F401  (registers "causal-lm")
 from mstar_async.models import demo as _demo  # noqa: F401  (registers "demo")
+from mstar_async.models import orpheus as _orpheus  # noqa: F401  (registers "orpheus")
 from mstar_async.models import pi05 as _pi05  # noqa: F401  (registers "pi05")
 from mstar_async.models import vjepa2 as _vjepa2  # noqa: F401  (registers "vjepa2")
 from mstar_async.models.registry import ModelEntry, build_model, list_models, register

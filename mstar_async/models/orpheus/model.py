@@ -1,0 +1,171 @@
+"""``orpheus``: text to 24 kHz speech with a Llama LM that speaks SNAC codes, streamed.
+
+Two walks. ``prefill`` computes the prompt's KV (all but its last token, ``<start_of_speech>``).
+``speak`` is a ``DynamicLoop`` of decode steps, fed ``<start_of_speech>`` first, that each
+request leaves on ``<end_of_speech>`` or at its ``max_tokens``; every sampled token streams over
+a ``SlidingWindowChunkPolicy(28, 7)`` edge into the SNAC decoder, which turns each completed
+window into PCM while the LM keeps going (see ``snac_codec`` for which samples each window
+emits). Feeding the prompt's last token to the loop makes every audio code a loop output, so
+the first code reaches SNAC like all the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_async.engines import StatelessEngine
+from mstar_async.engines.sampling import SamplingParams
+from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, Sequential, Walk, stream
+from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.models.orpheus.lm import SIZES, build_lm_engine, hf_config
+from mstar_async.models.orpheus.snac_codec import (
+    SNAC_24KHZ,
+    SNAC_SMALL,
+    SNAC_TINY,
+    STRIDE,
+    WINDOW,
+    SnacWindowDecoder,
+    build_snac,
+    load_snac,
+)
+from mstar_async.models.orpheus.text import byte_tokenizer, vocab_of
+from mstar_async.models.orpheus.vocab import VOICES, OrpheusVocab, prompt_text
+from mstar_async.models.registry import register
+from mstar_async.outputs import AudioChunk
+from mstar_async.policies import SlidingWindowChunkPolicy
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+SAMPLE_RATE = 24_000
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_SNAC_CONFIGS = {"tiny": SNAC_TINY, "small": SNAC_SMALL, "full": SNAC_24KHZ}
+
+
+def _snac_engine(
+    vocab: OrpheusVocab, snac_path: Path | None, config: dict[str, Any], seed: int
+) -> StatelessEngine:
+    snac = load_snac(snac_path) if snac_path is not None else build_snac(config, seed)
+    return StatelessEngine({"decode": SnacWindowDecoder(snac, vocab)})
+
+
+def _until(end_of_speech: int) -> Callable[[LoopStep], bool]:
+    def until(step: LoopStep) -> bool:
+        if int(step.outputs["decode.token"]) == end_of_speech:
+            return True
+        return step.iteration + 1 >= int(step.params["max_tokens"])
+
+    return until
+
+
+def _check_voice(voice: str, voices: tuple[str, ...]) -> None:
+    if voice and voice not in voices:
+        raise ValueError(f"unknown voice {voice!r}; voices: {', '.join(voices)} (or '' for none)")
+
+
+def _program(
+    tokenizer: ChatTokenizer, vocab: OrpheusVocab, voices: tuple[str, ...]
+) -> Callable[..., AsyncGenerator[Any, None]]:
+    async def program(
+        request: Any,
+        text: str = "Hello there, how are you?",
+        voice: str = "tara",
+        max_tokens: int = 1200,
+        temperature: float = 0.6,
+        top_p: float = 0.8,
+        seed: int = 0,
+    ) -> AsyncGenerator[Any, None]:
+        _check_voice(voice, voices)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        ids = vocab.prompt_ids(tokenizer.encode(prompt_text(text, voice), add_special_tokens=True))
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset({vocab.end_of_speech}),
+        )
+        await request.run("prefill", tokens=torch.tensor(ids[:-1]), sampling=sampling)
+        first = torch.tensor(ids[-1])
+        async with request.stream("speak", params={"max_tokens": max_tokens}, token=first) as s:
+            async for event in s:
+                if event.value.numel():
+                    yield AudioChunk(event.value, SAMPLE_RATE)
+
+    return program
+
+
+@register("orpheus", "Orpheus-style TTS: Llama LM over SNAC codes -> streaming 24 kHz speech")
+def build_orpheus(
+    size: str = "tiny",
+    *,
+    path: str | Path | None = None,
+    snac_path: str | Path | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    device: str = "cpu",
+    max_iterations: int = 4096,
+    voices: tuple[str, ...] = VOICES,
+    snac: str | None = None,
+) -> Model:
+    """Build Orpheus: seeded weights at ``size`` (``tiny``, ``small``), or a real checkpoint.
+
+    ``path`` is an Orpheus Hugging Face folder (Llama config, safetensors weights by upstream
+    names, tokenizer.json); ``snac_path`` a SNAC folder (config.json, pytorch_model.bin). Either
+    replaces its seeded part. ``snac`` picks the seeded codec's config instead of the size's:
+    ``tiny``, ``small`` or ``full`` (``hubertsiuzdak/snac_24khz``'s). The tokenizer loads here;
+    weights load when engines are built.
+
+    Raises:
+        CheckpointError: a folder lacks a file it needs, or its tokenizer lacks Orpheus' tokens.
+        ValueError: an unknown ``size``, ``snac`` or ``dtype``.
+    """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    snac_config = _SNAC_CONFIGS.get(snac or size)
+    if snac_config is None:
+        raise ValueError(f"snac must be one of {sorted(_SNAC_CONFIGS)}, got {snac!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    folder = Path(path) if path is not None else None
+    tokenizer = ChatTokenizer.from_folder(folder) if folder is not None else byte_tokenizer()
+    vocab = vocab_of(tokenizer)
+    lm = functools.partial(
+        build_lm_engine,
+        config=None if folder is not None else hf_config(size, vocab),
+        vocab=vocab,
+        seed=seed,
+        path=folder,
+        dtype=_DTYPES[dtype],
+        kv_cache_bytes=kv_cache_bytes,
+        device=device,
+    )
+    snac_folder = Path(snac_path) if snac_path is not None else None
+    codec = functools.partial(_snac_engine, vocab, snac_folder, snac_config, seed + 7)
+    speak = DynamicLoop(
+        "decode",
+        until=_until(vocab.end_of_speech),
+        max_iterations=max_iterations,
+        carry={"decode.token": "decode.token"},
+    )
+    return Model(
+        "orpheus",
+        nodes=[
+            Node("prefill", engine="lm", inputs=["tokens", "sampling"], outputs=["token"]),
+            Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
+            Node("snac", engine="snac", op="decode", inputs=["codes"], outputs=["pcm"]),
+        ],
+        edges=[stream("decode.token", "snac.codes", SlidingWindowChunkPolicy(WINDOW, STRIDE))],
+        walks=[
+            Walk("prefill", "prefill", outputs=["prefill.token"]),
+            Walk("speak", Sequential(speak, "snac"), outputs=["snac.pcm"]),
+        ],
+        program=_program(tokenizer, vocab, voices),
+        components={"lm": lm, "snac": codec},
+        description=f"Orpheus TTS ({folder or size}) with SNAC ({snac_folder or size})",
+    )
