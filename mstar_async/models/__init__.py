@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mstar_async.models import causal_lm as _causal_lm  # noqa: F401  (registers "causal-lm")
 from mstar_async.models import demo as _demo  # noqa: F401  (registers "demo")
+from mstar_async.models import qwen3_omni as _qwen3_omni  # noqa: F401  (registers "qwen3-omni")
 from mstar_async.models.registry import ModelEntry, build_model, list_models, register
 
 __all__ = ["ModelEntry", "build_model", "list_models", "register"]
