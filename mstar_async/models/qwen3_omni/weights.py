@@ -25,7 +25,7 @@ from mstar_async.models.qwen3_omni.decoder import seeded_init
 from mstar_async.models.qwen3_omni.talker import Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
 
-__all__ = ["OmniParts", "build_parts", "fuse_expert_keys", "load_part"]
+__all__ = ["OmniParts", "build_parts", "fuse_expert_keys", "load_part", "upstream_keys"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,15 @@ def fuse_expert_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def upstream_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Normalise a checkpoint's keys to this model's: fused experts, and transformers 5's
+    ``thinker.model.language_model.`` read as the released files' ``thinker.model.``."""
+    renamed = {
+        k.replace("thinker.model.language_model.", "thinker.model.", 1): v for k, v in state.items()
+    }
+    return fuse_expert_keys(renamed)
+
+
 def load_part(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
     """Load the ``prefix``-ed keys of ``state`` into ``module`` strictly.
 
@@ -121,7 +130,7 @@ def build_parts(cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device
         for offset, module in enumerate((parts.thinker, parts.talker, parts.code2wav)):
             seeded_init(module, cfg.seed + offset)
     else:
-        state = fuse_expert_keys(load_checkpoint(folder).state_dict)
+        state = upstream_keys(load_checkpoint(folder).state_dict)
         thinker_state = {
             k: v for k, v in state.items() if k.startswith(("thinker.model.", "thinker.lm_head."))
         }
