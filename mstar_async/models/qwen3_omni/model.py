@@ -52,7 +52,7 @@ from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.policies import FixedChunkPolicy, LeftContextChunkPolicy
 
-__all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_omni"]
+__all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_omni", "seeded_config", "talker_tokens"]
 
 CHUNK = 25
 LEFT_CONTEXT = 25
@@ -94,6 +94,18 @@ def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
         text_eos=frozenset(tokenizer.eos_token_ids),
         speakers=cfg.speaker_ids,
     )
+
+
+def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
+    """The seeded model's config: ``size``'s shapes over ``tokenizer``'s vocabulary plus the
+    three tts ids.
+
+    Raises:
+        ValueError: an unknown size.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; sizes: {sorted(SIZES)}")
+    return replace(SIZES[size], thinker_vocab=tokenizer.vocab_size + 3, seed=seed)
 
 
 # ------------------------------------------------------------------------------ engines
@@ -390,10 +402,8 @@ def build_qwen3_omni(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     folder = Path(path) if path is not None else None
     if folder is None:
-        if size not in SIZES:
-            raise ValueError(f"unknown size {size!r}; sizes: {sorted(SIZES)}")
         tokenizer = ChatTokenizer.from_folder(smollm2_folder())
-        cfg = replace(SIZES[size], thinker_vocab=tokenizer.vocab_size + 3, seed=seed)
+        cfg = seeded_config(size, seed, tokenizer)
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
         cfg = OmniConfig.from_hf(_read_object(folder / "config.json", "config.json"))
