@@ -94,7 +94,11 @@ def _talker_config() -> Any:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
     return hf_config.Qwen3OmniMoeTalkerConfig(
-        text_config=text, code_predictor_config=predictor, num_code_groups=4, thinker_hidden_size=48, spatial_merge_size=2
+        text_config=text,
+        code_predictor_config=predictor,
+        num_code_groups=4,
+        thinker_hidden_size=48,
+        spatial_merge_size=2,
     )
 
 

@@ -110,7 +110,7 @@ class CausalConv(nn.Module):
 
 
 class CausalTransConv(nn.Module):
-    """Transposed conv trimmed by ``kernel - stride`` on both sides (upstream's CausalTransConvNet)."""
+    """Transposed conv cut by ``kernel - stride`` on both ends (upstream CausalTransConvNet)."""
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
         super().__init__()
@@ -134,7 +134,8 @@ class ConvNeXtBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.dwconv(x).transpose(1, 2))
         h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
-        return x + h.transpose(1, 2)
+        out: torch.Tensor = x + h.transpose(1, 2)
+        return out
 
 
 class SnakeBeta(nn.Module):
@@ -148,7 +149,8 @@ class SnakeBeta(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        out: torch.Tensor = x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        return out
 
 
 class _ResidualUnit(nn.Module):
@@ -269,16 +271,18 @@ class Code2Wav(nn.Module):
         hidden = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
         x = self.pre_transformer(hidden).T[None]
         for stage in self.upsample:
+            assert isinstance(stage, nn.ModuleList)
             for block in stage:
                 x = block(x)
         for block in self.decoder:
             x = block(x)
-        return x.clamp(-1.0, 1.0).reshape(-1)
+        pcm: torch.Tensor = x.clamp(-1.0, 1.0).reshape(-1)
+        return pcm
 
     def decode_chunk(self, frames: torch.Tensor, context: int) -> torch.Tensor:
         """PCM of a window of frames ``[n, Q]`` minus its first ``context`` frames' audio (the
         cut upstream's ``chunked_decode`` makes)."""
-        pcm = self(frames.T.long())
+        pcm: torch.Tensor = self(frames.T.long())
         return pcm[context * self.config.total_upsample :]
 
     def decode(self, codes: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:

@@ -256,7 +256,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
-        out = self.experts(x, weights, experts)
+        out: torch.Tensor = self.experts(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -330,7 +330,7 @@ class DenseCausalAttention:
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
+        out: torch.Tensor = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=self._mask
         )
         return out.transpose(0, 1)

@@ -90,7 +90,9 @@ class CodePredictor(nn.Module):
 
     def embed(self, group: int, code: int) -> torch.Tensor:
         """Embedding of ``code`` of residual codebook ``group`` (1-based), ``[hidden]``."""
-        table = self.model.codec_embedding[group - 1]
+        tables = self.model.codec_embedding
+        assert isinstance(tables, nn.ModuleList)
+        table = tables[group - 1]
         assert isinstance(table, nn.Embedding)
         return table.weight[code]
 
@@ -123,10 +125,17 @@ class Talker(nn.Module):
         self.hidden_projection = ResizeMLP(thinker_hidden, cfg.intermediate_size, cfg.hidden_size)
         self.code_predictor = CodePredictor(predictor, codebook_size, groups)
 
+    @property
+    def codec_embedding(self) -> nn.Embedding:
+        """The talker's codec table (``model.codec_embedding``): codebook 0 and the specials."""
+        table = self.model.codec_embedding
+        assert isinstance(table, nn.Embedding)
+        return table
+
     def frame_embedding(self, frame: torch.Tensor) -> torch.Tensor:
         """Sum of a frame's ``G`` codebook embeddings (talker table for codebook 0)."""
         codes = [int(c) for c in frame.tolist()]
-        out = self.model.codec_embedding.weight[codes[0]].clone()
+        out = self.codec_embedding.weight[codes[0]].clone()
         for group, code in enumerate(codes[1:], start=1):
             out = out + self.code_predictor.embed(group, code)
         return out
@@ -145,7 +154,7 @@ def _after(
     talker: Talker, tokens: TalkerTokens, hidden: torch.Tensor, sampler: Sampler
 ) -> dict[str, Any]:
     code = _code0(talker, tokens, hidden, sampler)
-    context = torch.stack([hidden, talker.model.codec_embedding.weight[code]])
+    context = torch.stack([hidden, talker.codec_embedding.weight[code]])
     return {"code": torch.tensor(code), "context": context}
 
 
@@ -196,7 +205,7 @@ def talker_prompt(
         tokens.codec_pad,
         tokens.codec_bos,
     ]
-    codec = talker.model.codec_embedding.weight[torch.tensor(codec_ids)]
+    codec = talker.codec_embedding.weight[torch.tensor(codec_ids)]
     codec = torch.cat([codec.new_zeros(k, codec.shape[1]), codec])
     parts = [project(user)] if user else []
     return torch.cat([*parts, text + codec])

@@ -1,4 +1,4 @@
-"""The thinker's text model: a Qwen3(-MoE) LM for :class:`~mstar_async.engines.kv_engine.KVCacheEngine`.
+"""The thinker's text model: a Qwen3(-MoE) LM run by the paged ``KVCacheEngine``.
 
 Upstream names (``thinker.`` prefix in a full checkpoint): ``model.embed_tokens``,
 ``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``...q_norm`` / ``k_norm``, ``...mlp.gate`` +
