@@ -6,17 +6,24 @@ ours by upstream names (strictly), and both run the same inputs in float32.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
+from mstar_async.models import build_model
+from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, Qwen3Config, seeded_init
 from mstar_async.models.qwen3_omni.talker import Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
 from mstar_async.models.qwen3_omni.weights import fuse_expert_keys, load_part, upstream_keys
+from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
+from mstar_async.runtime import open_runtime
 
 hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
 hf_config = pytest.importorskip("transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe")
@@ -220,3 +227,118 @@ def test_loading_names_what_is_missing() -> None:
     ours = Thinker(Qwen3Config.from_hf(TEXT), TEXT["vocab_size"])
     with pytest.raises(ValueError, match="missing"):
         load_part(ours, {"thinker.lm_head.weight": torch.zeros(96, 32)}, "thinker.")
+
+
+# ------------------------------------------------------------------ a whole checkpoint folder
+
+VOCAB = 49152 + 3  # the SmolLM2 tokenizer's vocabulary and three tts ids
+
+
+def _omni_config() -> Any:
+    text = {**TEXT, "vocab_size": VOCAB}
+    talker_text = {**TEXT, "shared_expert_intermediate_size": 24, "norm_topk_prob": False}
+    predictor = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_code_groups": 4,
+    }
+    audio = {
+        "num_mel_bins": 16,
+        "encoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 32,
+        "d_model": 16,
+        "output_dim": 32,
+        "downsample_hidden_size": 8,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "deepstack_visual_indexes": [0],
+        "num_position_embeddings": 16,
+    }
+    names = ["codec_pad_id", "codec_bos_id", "codec_eos_token_id", "codec_nothink_id"]
+    names += ["codec_think_bos_id", "codec_think_eos_id"]
+    codec = {name: 64 + i for i, name in enumerate(names)}
+    return hf_config.Qwen3OmniMoeConfig(
+        thinker_config={"text_config": text, "audio_config": audio, "vision_config": vision},
+        talker_config={
+            "text_config": talker_text,
+            "code_predictor_config": predictor,
+            "num_code_groups": 4,
+            "thinker_hidden_size": 32,
+            "speaker_id": {"Ethan": 70},
+            "spatial_merge_size": 2,
+            **codec,
+        },
+        code2wav_config={
+            "codebook_size": 64,
+            "num_quantizers": 4,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "decoder_dim": 16,
+        },
+        tts_bos_token_id=VOCAB - 3,
+        tts_eos_token_id=VOCAB - 2,
+        tts_pad_token_id=VOCAB - 1,
+    )
+
+
+@pytest.fixture(scope="module")
+def omni_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A tiny random ``Qwen3OmniMoeForConditionalGeneration`` saved as a checkpoint folder
+    (transformers writes the released layout: per-expert keys, ``thinker.model.*``), with the
+    SmolLM2 tokenizer beside it."""
+    torch.manual_seed(0)
+    upstream = hf.Qwen3OmniMoeForConditionalGeneration(_omni_config()).eval()
+    seeded_init(upstream, 8)
+    folder = tmp_path_factory.mktemp("qwen3-omni")
+    upstream.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_folder() / name, folder / name)
+    return upstream, folder
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+async def test_checkpoint_folder_text_and_audio_match_upstream(
+    omni_folder: tuple[Any, Path],
+) -> None:
+    upstream, folder = omni_folder
+    chunk = 4
+    model = build_model("qwen3-omni", path=folder, chunk=chunk, left_context=chunk)
+    async with open_runtime(model) as runtime:
+        with anyio.fail_after(60):
+            async with runtime.generate(
+                text="Hi there", max_tokens=12, ignore_eos=True, return_codes=True
+            ) as outputs:
+                items = [item async for item in outputs]
+    tokenizer = ChatTokenizer.from_folder(folder)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]))
+    language_model, head = upstream.thinker.model.language_model, upstream.thinker.lm_head
+    with torch.no_grad():
+        for _ in range(12):
+            hidden = language_model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+            ids.append(int(head(hidden).argmax()))
+    text = "".join(o.text for o in items if isinstance(o, TextDelta))
+    assert text == tokenizer.decode(ids[-12:])
+    frames = torch.stack([o.latent for o in items if isinstance(o, LatentOutput)])
+    pcm = torch.cat([o.pcm for o in items if isinstance(o, AudioChunk)])
+    assert frames.shape[0] >= 1
+    with torch.no_grad():
+        want = upstream.code2wav.chunked_decode(
+            frames.T[None], chunk_size=chunk, left_context_size=chunk
+        )
+    # Six upsampling stages (1920x) of float32 convolutions: a few samples differ by ~5e-4.
+    torch.testing.assert_close(pcm, want.reshape(-1), atol=2e-3, rtol=1e-3)

@@ -119,7 +119,8 @@ class Qwen3Config:
             head_dim=int(config.get("head_dim") or hidden // heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            num_experts=int(config.get("num_experts", 0) or 0),
+            # The talker's config.json spells it ``num_local_experts`` (an attribute alias).
+            num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
             num_experts_per_tok=int(config.get("num_experts_per_tok", 1) or 1),
             moe_intermediate_size=int(config.get("moe_intermediate_size", 0) or 0),
             norm_topk_prob=bool(config.get("norm_topk_prob", True)),
