@@ -52,6 +52,8 @@ def _parts(tokenizer: ChatTokenizer) -> tuple[OmniParts, TalkerTokens]:
 
 
 async def _collect(runtime: Any, **inputs: Any) -> list[Any]:
+    # Greedy speech from random weights rarely ends by itself: bound it.
+    inputs.setdefault("max_frames", 24)
     with anyio.fail_after(60):
         async with runtime.generate(**inputs) as outputs:
             return [item async for item in outputs]
@@ -74,28 +76,51 @@ async def test_text_streams_while_audio_chunks_arrive() -> None:
     assert all(a.pcm.abs().max() <= 1.0 for a in audio)
 
 
+def _windowed(code2wav: Any, frames: torch.Tensor, spoken: int) -> torch.Tensor:
+    """All frames decoded at once under the runtime's windowing: left-context windows over the
+    frames made with the text, then windows restarting at the tail, each with up to CHUNK
+    earlier frames (of either part) as context."""
+    pieces = [chunked_decode(code2wav, frames[:spoken], CHUNK, CHUNK)]
+    for start in range(spoken, len(frames), CHUNK):
+        context = min(CHUNK, start)
+        pieces.append(code2wav.decode_chunk(frames[start - context : start + CHUNK], context))
+    return torch.cat(pieces)
+
+
 async def test_streamed_pcm_equals_decoding_all_frames_at_once(tokenizer: ChatTokenizer) -> None:
+    max_tokens = 15
     async with open_runtime(_model()) as runtime:
-        out = await _collect(runtime, text=PROMPT, max_tokens=15, return_codes=True, **GREEDY)
+        out = await _collect(
+            runtime, text=PROMPT, max_tokens=max_tokens, max_frames=25, return_codes=True, **GREEDY
+        )
     frames = torch.stack([o.latent for o in out if isinstance(o, LatentOutput)])
     assert [o.step for o in out if isinstance(o, LatentOutput)] == list(range(len(frames)))
     pcm = torch.cat([o.pcm for o in out if isinstance(o, AudioChunk)])
     parts, _ = _parts(tokenizer)
     code2wav = parts.code2wav
+    # One frame per text token while the text lasts (ignore_eos: max_tokens - 1 after the
+    # prefill's), then the tail until end of speech or max_frames.
+    spoken = min(len(frames), max_tokens - 1)
+    assert len(frames) > spoken, "the talker should speak on after the text"
     with torch.inference_mode():
-        whole = chunked_decode(code2wav, frames, CHUNK, CHUNK)
+        whole = _windowed(code2wav, frames, spoken)
         one = code2wav(frames[:1].T)
     torch.testing.assert_close(pcm, whole, atol=1e-5, rtol=1e-5)
     # Audio length follows the frame count: total_upsample samples per frame, less the fixed
     # tail each causal decode drops (as upstream's chunked decode).
     upsample = code2wav.config.total_upsample
-    chunks = math.ceil(len(frames) / CHUNK)
+    chunks = math.ceil(spoken / CHUNK) + math.ceil((len(frames) - spoken) / CHUNK)
     assert len([o for o in out if isinstance(o, AudioChunk)]) == chunks
     assert pcm.numel() == len(frames) * upsample - (upsample - one.numel()) * chunks
 
 
 def _reference(
-    parts: OmniParts, tokens: TalkerTokens, ids: list[int], max_tokens: int, speaker: int
+    parts: OmniParts,
+    tokens: TalkerTokens,
+    ids: list[int],
+    max_tokens: int,
+    speaker: int,
+    max_frames: int,
 ) -> tuple[list[int], list[list[int]]]:
     """The whole greedy data flow, sequentially, on dense attention recomputed every step."""
     thinker, talker = parts.thinker, parts.talker
@@ -116,7 +141,11 @@ def _reference(
     hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
     code = code0(hidden)
     frames: list[list[int]] = []
-    for token in text[1:]:
+    # One text token per frame (tts_eos for the end of text), then tts_pad: upstream's
+    # trailing text.
+    feed = [tokens.tts_eos if t in tokens.text_eos else t for t in text[1:]]
+    while len(frames) < max_frames:
+        token = feed[len(frames)] if len(frames) < len(feed) else tokens.tts_pad
         cp_rows = [hidden, talker.model.codec_embedding.weight[code]]
         codes: list[int] = []
         for group in range(talker.groups - 1):
@@ -137,21 +166,31 @@ def _reference(
 
 
 async def test_runtime_matches_a_dense_sequential_reference(tokenizer: ChatTokenizer) -> None:
-    max_tokens = 10
+    max_tokens, max_frames = 10, 16
     async with open_runtime(_model()) as runtime:
         out = await _collect(
-            runtime, text=PROMPT, max_tokens=max_tokens, return_codes=True, **GREEDY
+            runtime,
+            text=PROMPT,
+            max_tokens=max_tokens,
+            max_frames=max_frames,
+            return_codes=True,
+            **GREEDY,
         )
     frames = [o.latent.tolist() for o in out if isinstance(o, LatentOutput)]
     parts, tokens = _parts(tokenizer)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     with torch.inference_mode():
         text, want = _reference(
-            parts, tokens, tokenizer.encode(prompt), max_tokens, tokens.speakers["ethan"]
+            parts,
+            tokens,
+            tokenizer.encode(prompt),
+            max_tokens,
+            tokens.speakers["ethan"],
+            max_frames,
         )
     assert "".join(o.text for o in out if isinstance(o, TextDelta)) == tokenizer.decode(text)
     assert frames == want
-    assert 1 <= len(frames) <= max_tokens - 1
+    assert max_tokens - 1 < len(frames) <= max_frames  # the tail ran
 
 
 async def test_text_only_request_makes_the_same_text_and_no_audio() -> None:
@@ -210,7 +249,7 @@ async def test_cancel_and_finish_free_every_kv_block() -> None:
 def test_graph_nests_the_code_predictor_loop_inside_the_talker_loop() -> None:
     model = _model()
     walks = model.walks
-    assert set(walks) == {"prefill", "text", "voice", "speak"}
+    assert set(walks) == {"prefill", "text", "voice", "speak", "tail"}
     speak = walks["speak"].body
     assert isinstance(speak, Sequential)
     thinker, frames, _ = speak.children
@@ -218,6 +257,10 @@ def test_graph_nests_the_code_predictor_loop_inside_the_talker_loop() -> None:
     assert isinstance(frames.body, Sequential)
     inner = frames.body.children[1]
     assert isinstance(inner, Loop) and inner.iterations == 2  # codebooks 2 and 3 of 4
+    tail = walks["tail"].body
+    assert isinstance(tail, Sequential) and isinstance(tail.children[0], DynamicLoop)
+    assert isinstance(tail.children[0].body, Sequential)
+    assert isinstance(tail.children[0].body.children[1], Loop)
 
 
 async def test_bad_inputs_name_the_problem() -> None:

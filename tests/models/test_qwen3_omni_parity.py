@@ -321,7 +321,7 @@ async def test_checkpoint_folder_text_and_audio_match_upstream(
     async with open_runtime(model) as runtime:
         with anyio.fail_after(60):
             async with runtime.generate(
-                text="Hi there", max_tokens=12, ignore_eos=True, return_codes=True
+                text="Hi there", max_tokens=12, max_frames=11, ignore_eos=True, return_codes=True
             ) as outputs:
                 items = [item async for item in outputs]
     tokenizer = ChatTokenizer.from_folder(folder)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,11 @@ def _predictor_engine(
 
 
 def _code2wav_engine(
-    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str
+    cfg: OmniConfig, left: int, folder: Path | None, dtype: torch.dtype, device: str
 ) -> StatelessEngine:
     code2wav = build_parts(cfg, folder, dtype, device).code2wav
-    return StatelessEngine({"decode": code2wav.decode}, device=device)
+    after = functools.partial(code2wav.decode_after, left=left)
+    return StatelessEngine({"decode": code2wav.decode, "decode_after": after}, device=device)
 
 
 # ------------------------------------------------------------------------------ graph
@@ -177,11 +179,11 @@ def _text_done(prefix: str) -> Callable[[LoopStep], bool]:
     return until
 
 
-def _frames_done(codec_eos: int) -> Callable[[LoopStep], bool]:
+def _frames_done(codec_eos: int, talker: str) -> Callable[[LoopStep], bool]:
     def until(step: LoopStep) -> bool:
         if step.iteration + 1 >= int(step.params["max_frames"]):
             return True
-        return int(step.outputs["talker.code"]) == codec_eos
+        return int(step.outputs[f"{talker}.code"]) == codec_eos
 
     return until
 
@@ -226,6 +228,35 @@ def _nodes() -> list[Node]:
             outputs=["frame", "code", "context"],
         ),
         Node("code2wav", engine="code2wav", op="decode", inputs=["codes"], outputs=["pcm"]),
+        # The tail: after the text, the talker goes on with tts_pad until end of speech.
+        Node(
+            "tail_predictor_prefill",
+            engine="predictor",
+            op="prefill",
+            inputs=["context", "sampling"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "tail_predictor",
+            engine="predictor",
+            op="decode",
+            inputs=["code", "codes"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "talker_tail",
+            engine="talker",
+            op="decode",
+            inputs=["text", "code", "codes"],
+            outputs=["frame", "code", "context"],
+        ),
+        Node(
+            "code2wav_tail",
+            engine="code2wav",
+            op="decode_after",
+            inputs=["codes", "history"],
+            outputs=["pcm"],
+        ),
     ]
 
 
@@ -241,6 +272,16 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
         Edge("predictor.codes", "talker.codes"),
         stream("thinker.token", "talker.text", FixedChunkPolicy(1)),
         stream("talker.frame", "code2wav.codes", LeftContextChunkPolicy(chunk, left_context)),
+        Edge("talker.code", "talker_tail.code"),
+        Edge("talker.context", "tail_predictor_prefill.context"),
+        Edge("tail_predictor_prefill.code", "tail_predictor.code"),
+        Edge("tail_predictor_prefill.codes", "tail_predictor.codes"),
+        Edge("tail_predictor.codes", "talker_tail.codes"),
+        stream(
+            "talker_tail.frame",
+            "code2wav_tail.codes",
+            LeftContextChunkPolicy(chunk, left_context),
+        ),
     ]
 
 
@@ -264,9 +305,26 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
     )
     frames = DynamicLoop(
         Sequential("predictor_prefill", residual, "talker"),
-        until=_frames_done(cfg.codec_eos),
+        until=_frames_done(cfg.codec_eos, "talker"),
         max_iterations=max_iterations,
         carry={"talker.context": "predictor_prefill.context", "talker.code": "talker.code"},
+    )
+    tail_residual = Loop(
+        "tail_predictor",
+        iterations=cfg.num_code_groups - 2,
+        carry={
+            "tail_predictor.code": "tail_predictor.code",
+            "tail_predictor.codes": "tail_predictor.codes",
+        },
+    )
+    tail = DynamicLoop(
+        Sequential("tail_predictor_prefill", tail_residual, "talker_tail"),
+        until=_frames_done(cfg.codec_eos, "talker_tail"),
+        max_iterations=max_iterations,
+        carry={
+            "talker_tail.context": "tail_predictor_prefill.context",
+            "talker_tail.code": "talker_tail.code",
+        },
     )
     return [
         Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
@@ -275,7 +333,12 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         Walk(
             "speak",
             Sequential(thinker, frames, "code2wav"),
-            outputs=["thinker.token", "talker.frame", "code2wav.pcm"],
+            outputs=["thinker.token", "talker.frame", "talker.code", "code2wav.pcm"],
+        ),
+        Walk(
+            "tail",
+            Sequential(tail, "code2wav_tail"),
+            outputs=["talker_tail.frame", "code2wav_tail.pcm"],
         ),
     ]
 
@@ -283,8 +346,55 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
 # ------------------------------------------------------------------------------ program
 
 
+async def _speak(
+    request: Any,
+    tokens: TalkerTokens,
+    params: dict[str, Any],
+    sampling: SamplingParams,
+    detok: IncrementalDecoder,
+    left: int,
+    return_codes: bool,
+) -> AsyncGenerator[Any, None]:
+    """Walk ``speak`` (text, frames and audio together), then, if the talker has not finished
+    speaking when the text ends, walk ``tail`` (tts_pad rows until codec end-of-speech), its
+    code2wav windows borrowing left context from the last frames of ``speak``."""
+    history: list[torch.Tensor] = []  # the last frames, at least one (for its shape)
+    last_code, frames = tokens.codec_eos, 0
+    async with request.stream("speak", params=params, sampling=sampling) as events:
+        async for event in events:
+            if event.port == "code2wav.pcm":
+                yield AudioChunk(event.value, SAMPLE_RATE)
+            elif event.port == "talker.frame":
+                history = [*history, event.value][-max(left, 1) :]
+                if return_codes:
+                    yield LatentOutput(event.value, event.iteration)
+                frames = event.iteration + 1
+            elif event.port == "talker.code":
+                last_code = int(event.value)
+            elif (token := int(event.value)) not in params["stop_ids"] and (
+                delta := detok.push(token)
+            ):
+                yield TextDelta(delta)
+    if rest := detok.finish():
+        yield TextDelta(rest)
+    remaining = int(params["max_frames"]) - frames
+    if last_code == tokens.codec_eos or remaining < 1 or not history:
+        return
+    inputs = {
+        "text": torch.tensor(tokens.tts_pad),
+        "history": torch.stack(history) if left else history[0][:0],
+        "sampling": sampling,
+    }
+    async with request.stream("tail", params={"max_frames": remaining}, **inputs) as events:
+        async for event in events:
+            if event.port == "code2wav_tail.pcm":
+                yield AudioChunk(event.value, SAMPLE_RATE)
+            elif return_codes:
+                yield LatentOutput(event.value, frames + event.iteration)
+
+
 def _program(
-    cfg: OmniConfig, tokenizer: ChatTokenizer, tokens: TalkerTokens
+    cfg: OmniConfig, tokenizer: ChatTokenizer, tokens: TalkerTokens, left: int
 ) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
@@ -299,7 +409,7 @@ def _program(
         speaker: str | None = None,
         voice_temperature: float = 0.9,
         voice_top_k: int = 50,
-        max_frames: int = 4096,
+        max_frames: int = 0,
         ignore_eos: bool = False,
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
@@ -329,7 +439,9 @@ def _program(
             if tail := detok.finish():
                 yield TextDelta(tail)
             return
-        params = {"max_tokens": max_tokens, "stop_ids": stop_ids, "max_frames": max_frames}
+        # Frames are 80 ms; by default speech may run to eight frames per text token.
+        frames_cap = max_frames or 8 * max_tokens
+        params = {"max_tokens": max_tokens, "stop_ids": stop_ids, "max_frames": frames_cap}
         code0 = None
         if speak:
             voice_params = SamplingParams(
@@ -352,19 +464,13 @@ def _program(
             predictor_params = SamplingParams(
                 temperature=voice_temperature, top_k=voice_top_k, top_p=0.8, seed=seed + 1
             )
-            async with request.stream("speak", params=params, sampling=predictor_params) as events:
-                async for event in events:
-                    if event.port == "code2wav.pcm":
-                        yield AudioChunk(event.value, SAMPLE_RATE)
-                    elif event.port == "talker.frame":
-                        if return_codes:
-                            yield LatentOutput(event.value, event.iteration)
-                    elif (token := int(event.value)) not in stop_ids and (
-                        delta := detok.push(token)
-                    ):
-                        yield TextDelta(delta)
-        if tail := detok.finish():
-            yield TextDelta(tail)
+            speech = _speak(request, tokens, params, predictor_params, detok, left, return_codes)
+            async with aclosing(speech) as outputs:
+                async for output in outputs:
+                    yield output
+            return
+        if rest := detok.finish():
+            yield TextDelta(rest)
 
     return program
 
@@ -415,14 +521,14 @@ def build_qwen3_omni(
         nodes=_nodes(),
         edges=_edges(chunk, left_context),
         walks=_walks(cfg, max_iterations),
-        program=_program(cfg, tokenizer, tokens),
+        program=_program(cfg, tokenizer, tokens, left_context),
         components={
             "thinker": functools.partial(_thinker_engine, cfg, *engine_args, kv_cache_bytes),
             "talker": functools.partial(_talker_engine, cfg, tokens, *engine_args, kv_cache_bytes),
             "predictor": functools.partial(
                 _predictor_engine, cfg, *engine_args, kv_cache_bytes // 4
             ),
-            "code2wav": functools.partial(_code2wav_engine, cfg, *engine_args),
+            "code2wav": functools.partial(_code2wav_engine, cfg, left_context, *engine_args),
         },
         description=f"qwen3-omni ({'seeded ' + size if folder is None else folder})",
     )
