@@ -13,7 +13,9 @@ Graph (engines in brackets)::
                                      code2wav [code2wav] --> PCM
 
 Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt),
-``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``).
+``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``) and
+``tail`` (the talker goes on with ``tts_pad`` after the text until codec end-of-speech, its
+code2wav windows borrowing left context from the end of ``speak``).
 The request program yields text deltas as the thinker makes tokens and audio chunks as
 code2wav finishes windows, interleaved.
 """
