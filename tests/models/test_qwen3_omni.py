@@ -269,3 +269,42 @@ async def test_bad_inputs_name_the_problem() -> None:
             await _collect(runtime, text=PROMPT, speaker="nobody")
     with pytest.raises(ValueError, match="unknown size"):
         build_model("qwen3-omni", size="huge")
+
+
+def test_embeds_engine_fails_a_step_that_does_not_fit_and_frees_on_release(
+    tokenizer: ChatTokenizer,
+) -> None:
+    from mstar_async.engines.base import Step
+    from mstar_async.errors import KVCacheFull
+    from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+    from mstar_async.models.qwen3_omni.talker import predictor_ops
+
+    parts, _ = _parts(tokenizer)
+    predictor = parts.talker.code_predictor
+    cfg = predictor.model.config
+    engine = EmbedsKVEngine(
+        predictor.model,
+        cfg.attention_spec(torch.float32),
+        predictor_ops(predictor),
+        num_layers=cfg.num_hidden_layers,
+        num_blocks=1,
+        block_size=2,
+    )
+    context = torch.randn(2, cfg.hidden_size)
+    first = engine.forward([Step("a", "prefill", {"context": context})])[0]
+    assert isinstance(first, dict) and first["codes"].tolist() == [int(first["code"])]
+    assert engine.blocks_in_use == 1
+    # A second request and a third row find no room; each fails alone.
+    late = engine.forward(
+        [
+            Step("b", "prefill", {"context": context}),
+            Step("a", "decode", {"code": first["code"], "codes": first["codes"]}),
+        ]
+    )
+    assert all(isinstance(r, KVCacheFull) for r in late)
+    # A fresh prefill of the same request drops its old sequence first.
+    again = engine.forward([Step("a", "prefill", {"context": context})])[0]
+    assert isinstance(again, dict) and engine.blocks_in_use == 1
+    engine.release("a")
+    engine.release("b")
+    assert engine.blocks_in_use == 0

@@ -123,6 +123,8 @@ class CausalTransConv(nn.Module):
 
 
 class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv, LayerNorm, 4x pointwise MLP, scaled residual (upstream's)."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.dwconv = CausalConv(dim, dim, 7, groups=dim)

@@ -148,6 +148,7 @@ class EmbedsKVEngine:
         """
         results: list[StepResult] = [None] * len(steps)
         rows: dict[int, torch.Tensor] = {}
+        wanted: dict[str, int] = {}
         with torch.inference_mode():
             for i, step in enumerate(steps):
                 op = self._op(step.op)
@@ -157,13 +158,14 @@ class EmbedsKVEngine:
                 x = op.embed(step.inputs)
                 if x.dim() != 2 or x.shape[0] == 0:
                     raise EngineError(f"op {step.op!r} embedded its inputs as {tuple(x.shape)}")
-                if not self.allocator.can_append(step.request_id, x.shape[0]):
+                trial = {**wanted, step.request_id: x.shape[0]}
+                if not self.allocator.can_append_batch(trial):
                     results[i] = KVCacheFull(
                         f"request {step.request_id}: no KV room for {x.shape[0]} more rows; "
                         "give the engine a larger kv_cache_bytes or lower the concurrency"
                     )
                     continue
-                rows[i] = x
+                wanted, rows[i] = trial, x
             if rows:
                 self._run(steps, rows, results)
         return results
