@@ -23,6 +23,7 @@ code2wav finishes windows, interleaved.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
@@ -45,8 +46,12 @@ from mstar_async.graph import (
     Walk,
     stream,
 )
-from mstar_async.models.checkpoints import ChatTokenizer, IncrementalDecoder, smollm2_folder
-from mstar_async.models.checkpoints.hf_folder import _read_object
+from mstar_async.models.checkpoints import (
+    ChatTokenizer,
+    CheckpointError,
+    IncrementalDecoder,
+    smollm2_folder,
+)
 from mstar_async.models.qwen3_omni.config import SAMPLE_RATE, SIZES, OmniConfig
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
@@ -97,6 +102,19 @@ def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
         text_eos=frozenset(tokenizer.eos_token_ids),
         speakers=cfg.speaker_ids,
     )
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: put the model's config.json there") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot parse {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
 
 
 def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
@@ -514,7 +532,7 @@ def build_qwen3_omni(
         cfg = seeded_config(size, seed, tokenizer)
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
-        cfg = OmniConfig.from_hf(_read_object(folder / "config.json", "config.json"))
+        cfg = OmniConfig.from_hf(_read_config(folder))
     tokens = talker_tokens(cfg, tokenizer)
     torch_dtype = _DTYPES[dtype]
     engine_args = (folder, torch_dtype, device)
