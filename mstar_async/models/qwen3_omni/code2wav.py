@@ -1,0 +1,324 @@
+"""The code2wav vocoder: multi-codebook codec frames -> 24 kHz PCM (upstream names).
+
+Architecture of transformers' ``Qwen3OmniMoeCode2Wav``: the ``Q`` codes of a frame are embedded
+from one shared table (offset by ``codebook * codebook_size``) and averaged; a small causal
+transformer with sliding-window attention (``pre_transformer``, layer-scaled residuals, no q/k
+norm) mixes frames; two transposed-conv + ConvNeXt stages upsample; a causal convolutional
+decoder (SnakeBeta activations, upsampling blocks with dilated residual units) makes the
+waveform, clamped to [-1, 1]. Every convolution is causal, so decoding a window of frames and
+keeping the audio of its last frames is exact streaming under left context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_async.models.qwen3_omni.decoder import (
+    MLP,
+    DenseCausalAttention,
+    Qwen3Config,
+    RMSNorm,
+)
+from mstar_async.models.qwen3_omni.decoder import _Attention as _SelfAttention
+from mstar_async.policies import Chunk
+
+__all__ = ["Code2Wav", "Code2WavConfig"]
+
+
+@dataclass(frozen=True)
+class Code2WavConfig:
+    """Sizes of code2wav (upstream ``Qwen3OmniMoeCode2WavConfig`` field names)."""
+
+    codebook_size: int = 2048
+    num_quantizers: int = 16
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    sliding_window: int = 72
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    decoder_dim: int = 1536
+
+    @property
+    def total_upsample(self) -> int:
+        """PCM samples per frame."""
+        return math.prod(self.upsample_rates + self.upsampling_ratios)
+
+    def transformer(self) -> Qwen3Config:
+        """The ``pre_transformer`` as a decoder stack shape."""
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.hidden_size // self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+        )
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> Code2WavConfig:
+        """Read upstream's ``code2wav_config`` dict (absent keys keep upstream defaults)."""
+        rope = config.get("rope_parameters") or {}
+        kwargs: dict[str, Any] = {
+            k: (tuple(v) if isinstance(v, list) else v)
+            for k, v in config.items()
+            if k in cls.__dataclass_fields__
+        }
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = float(rope["rope_theta"])
+        return cls(**kwargs)
+
+
+class CausalConv(nn.Module):
+    """Conv1d padded on the left so output ``t`` sees inputs ``<= t`` (upstream's CausalConvNet)."""
+
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: int,
+        *,
+        dilation: int = 1,
+        stride: int = 1,
+        groups: int = 1,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
+        self.stride = stride
+        self.span = (kernel - 1) * dilation + 1
+        self.padding = self.span - stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[-1]
+        frames = math.ceil((length - self.span + self.padding) / self.stride + 1)
+        extra = (frames - 1) * self.stride + (self.span - self.padding) - length
+        out: torch.Tensor = self.conv(F.pad(x, (self.padding, extra)))
+        return out
+
+
+class CausalTransConv(nn.Module):
+    """Transposed conv cut by ``kernel - stride`` on both ends (upstream CausalTransConvNet)."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.trim = kernel - stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.conv(x)
+        return out[..., self.trim : out.shape[-1] - self.trim]
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv, LayerNorm, 4x pointwise MLP, scaled residual (upstream's)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.dwconv(x).transpose(1, 2))
+        h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
+        out: torch.Tensor = x + h.transpose(1, 2)
+        return out
+
+
+class SnakeBeta(nn.Module):
+    """``x + sin(x * e^alpha)^2 / e^beta`` per channel."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha.exp()[None, :, None]
+        beta = self.beta.exp()[None, :, None]
+        out: torch.Tensor = x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        return out
+
+
+class _ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.conv2(self.act2(self.conv1(self.act1(x))))
+        return out
+
+
+class _DecoderBlock(nn.Module):
+    def __init__(self, cfg: Code2WavConfig, index: int) -> None:
+        super().__init__()
+        cin, cout = cfg.decoder_dim // 2**index, cfg.decoder_dim // 2 ** (index + 1)
+        rate = cfg.upsample_rates[index]
+        units: list[nn.Module] = [SnakeBeta(cin), CausalTransConv(cin, cout, 2 * rate, rate)]
+        units += [_ResidualUnit(cout, d) for d in (1, 3, 9)]
+        self.block = nn.ModuleList(units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.block:
+            x = unit(x)
+        return x
+
+
+class _LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), 0.01))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class _TransformerLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _SelfAttention(cfg, qk_norm=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn_layer_scale = _LayerScale(cfg.hidden_size)
+        self.mlp_layer_scale = _LayerScale(cfg.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Any
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.index, self.input_layernorm(x), cos, sin, attention)
+        x = x + self.self_attn_layer_scale(attn)
+        out: torch.Tensor = x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+        return out
+
+
+class _PreTransformer(nn.Module):
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        shape = cfg.transformer()
+        self.window = cfg.sliding_window
+        self.layers = nn.ModuleList(
+            _TransformerLayer(shape, i) for i in range(shape.num_hidden_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float32)
+        self._inv_freq = 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One sequence ``[frames, hidden]`` -> ``[frames, hidden]``."""
+        attention = DenseCausalAttention(x.shape[0], window=self.window, device=x.device)
+        freqs = attention.positions.float().unsqueeze(-1) * self._inv_freq.to(x.device)
+        cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+class Code2Wav(nn.Module):
+    """Codes ``[Q, frames]`` -> PCM; submodule names are upstream's (``code2wav.*``)."""
+
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.pre_transformer = _PreTransformer(cfg)
+        self.code_embedding = nn.Embedding(cfg.codebook_size * cfg.num_quantizers, cfg.hidden_size)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList(
+                [
+                    CausalTransConv(cfg.hidden_size, cfg.hidden_size, r, r),
+                    ConvNeXtBlock(cfg.hidden_size),
+                ]
+            )
+            for r in cfg.upsampling_ratios
+        )
+        out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
+        decoder: list[nn.Module] = [CausalConv(cfg.hidden_size, cfg.decoder_dim, 7)]
+        decoder += [_DecoderBlock(cfg, i) for i in range(len(cfg.upsample_rates))]
+        decoder += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
+        self.decoder = nn.ModuleList(decoder)
+        self._offset = torch.arange(cfg.num_quantizers)[:, None] * cfg.codebook_size
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """Decode ``[Q, frames]`` codes to ``[samples]`` PCM in [-1, 1].
+
+        Raises:
+            ValueError: the first dim is not ``num_quantizers``.
+        """
+        if codes.dim() != 2 or codes.shape[0] != self.config.num_quantizers:
+            raise ValueError(
+                f"code2wav expects codes [{self.config.num_quantizers}, frames], "
+                f"got {tuple(codes.shape)}"
+            )
+        hidden = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
+        x = self.pre_transformer(hidden).T[None]
+        for stage in self.upsample:
+            assert isinstance(stage, nn.ModuleList)
+            for block in stage:
+                x = block(x)
+        for block in self.decoder:
+            x = block(x)
+        pcm: torch.Tensor = x.clamp(-1.0, 1.0).reshape(-1)
+        return pcm
+
+    def decode_chunk(self, frames: torch.Tensor, context: int) -> torch.Tensor:
+        """PCM of a window of frames ``[n, Q]`` minus its first ``context`` frames' audio (the
+        cut upstream's ``chunked_decode`` makes)."""
+        pcm: torch.Tensor = self(frames.T.long())
+        return pcm[context * self.config.total_upsample :]
+
+    def decode(self, codes: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:
+        """StatelessEngine op: one PCM tensor (float32) per chunk of frames."""
+        out = []
+        for chunk in codes:
+            assert isinstance(chunk.data, torch.Tensor)
+            out.append(self.decode_chunk(chunk.data, chunk.context).float())
+        return {"pcm": out}
+
+    def decode_after(
+        self, codes: Sequence[Chunk], history: Sequence[torch.Tensor], *, left: int
+    ) -> dict[str, list[torch.Tensor]]:
+        """StatelessEngine op for a stream that continues earlier frames: ``history`` holds the
+        last (up to ``left``) frames before the stream, ``[h, Q]``; a chunk that starts at the
+        stream's first frame borrows from its end, so every window sees ``min(left, frames
+        before it)`` frames of context, as if the two streams were one."""
+        out = []
+        for chunk, before in zip(codes, history, strict=True):
+            assert isinstance(chunk.data, torch.Tensor)
+            borrow = 0 if chunk.start else min(left - chunk.context, before.shape[0])
+            lend = before[before.shape[0] - borrow :]
+            window = torch.cat([lend.to(chunk.data), chunk.data])
+            context = chunk.context + lend.shape[0]
+            out.append(self.decode_chunk(window, context).float())
+        return {"pcm": out}
+
+
+def chunked_decode(model: Code2Wav, frames: torch.Tensor, chunk: int, left: int) -> torch.Tensor:
+    """All-at-once reference: decode ``[n, Q]`` frames in windows of ``chunk`` new frames with
+    up to ``left`` frames of left context, and join the kept audio."""
+    pieces = []
+    for start in range(0, frames.shape[0], chunk):
+        context = min(left, start)
+        window = frames[start - context : start + chunk]
+        pieces.append(model.decode_chunk(window, context))
+    return torch.cat(pieces) if pieces else torch.zeros(0)

@@ -1,0 +1,554 @@
+"""``qwen3-omni``: a Qwen3-Omni-style thinker -> talker (+ code predictor) -> code2wav model.
+
+Graph (engines in brackets)::
+
+    thinker_prefill [thinker] --token--> thinker [thinker]  (DynamicLoop: text decode)
+                                            |  stream, FixedChunkPolicy(1): every text token
+                                            v
+    talker_prefill [talker] --> ( predictor_prefill [predictor]
+                                  -> Loop(predictor [predictor], G-2)   codebooks 1..G-1
+                                  -> talker [talker] )                  DynamicLoop: one frame
+                                            |  stream, LeftContextChunkPolicy(25, 25)
+                                            v
+                                     code2wav [code2wav] --> PCM
+
+Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt),
+``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``) and
+``tail`` (the talker goes on with ``tts_pad`` after the text until codec end-of-speech, its
+code2wav windows borrowing left context from the end of ``speak``).
+The request program yields text deltas as the thinker makes tokens and audio chunks as
+code2wav finishes windows, interleaved.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_async.engines import StatelessEngine
+from mstar_async.engines.kv_engine import KVCacheEngine
+from mstar_async.engines.sampling import SamplingParams
+from mstar_async.graph import (
+    DynamicLoop,
+    Edge,
+    Loop,
+    LoopStep,
+    Model,
+    Node,
+    Sequential,
+    Walk,
+    stream,
+)
+from mstar_async.models.checkpoints import (
+    ChatTokenizer,
+    CheckpointError,
+    IncrementalDecoder,
+    smollm2_folder,
+)
+from mstar_async.models.qwen3_omni.config import SAMPLE_RATE, SIZES, OmniConfig
+from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
+from mstar_async.models.qwen3_omni.weights import build_parts
+from mstar_async.models.registry import register
+from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
+from mstar_async.policies import FixedChunkPolicy, LeftContextChunkPolicy
+
+__all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_omni", "seeded_config", "talker_tokens"]
+
+CHUNK = 25
+LEFT_CONTEXT = 25
+DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _role_id(tokenizer: ChatTokenizer, role: str) -> int:
+    ids = tokenizer.encode(f"<|im_start|>{role}")
+    if len(ids) < 2:
+        raise ValueError(f"the tokenizer cannot encode the chat header for role {role!r}")
+    return ids[1]
+
+
+def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
+    """The special ids for ``cfg`` and ``tokenizer`` (tts ids default past the vocabulary).
+
+    Raises:
+        ValueError: the tokenizer has no ``<|im_start|>`` token.
+    """
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    if im_start is None:
+        raise ValueError("qwen3-omni needs a ChatML tokenizer (with <|im_start|>)")
+    base = tokenizer.vocab_size
+    return TalkerTokens(
+        codebook_size=cfg.codebook_size,
+        codec_eos=cfg.codec_eos,
+        codec_pad=cfg.codec_pad,
+        codec_bos=cfg.codec_bos,
+        codec_nothink=cfg.codec_nothink,
+        codec_think_bos=cfg.codec_think_bos,
+        codec_think_eos=cfg.codec_think_eos,
+        tts_bos=base if cfg.tts_bos is None else cfg.tts_bos,
+        tts_eos=base + 1 if cfg.tts_eos is None else cfg.tts_eos,
+        tts_pad=base + 2 if cfg.tts_pad is None else cfg.tts_pad,
+        im_start=im_start,
+        user=_role_id(tokenizer, "user"),
+        assistant=_role_id(tokenizer, "assistant"),
+        text_eos=frozenset(tokenizer.eos_token_ids),
+        speakers=cfg.speaker_ids,
+    )
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: put the model's config.json there") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot parse {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
+    """The seeded model's config: ``size``'s shapes over ``tokenizer``'s vocabulary plus the
+    three tts ids.
+
+    Raises:
+        ValueError: an unknown size.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; sizes: {sorted(SIZES)}")
+    return replace(SIZES[size], thinker_vocab=tokenizer.vocab_size + 3, seed=seed)
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def _thinker_engine(
+    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str, kv: int
+) -> KVCacheEngine:
+    thinker = build_parts(cfg, folder, dtype, device).thinker
+    return KVCacheEngine(
+        thinker,
+        cfg.thinker.attention_spec(dtype),
+        num_layers=cfg.thinker.num_hidden_layers,
+        kv_cache_bytes=kv,
+        device=device,
+    )
+
+
+def _talker_engine(
+    cfg: OmniConfig,
+    tokens: TalkerTokens,
+    folder: Path | None,
+    dtype: torch.dtype,
+    device: str,
+    kv: int,
+) -> EmbedsKVEngine:
+    parts = build_parts(cfg, folder, dtype, device)
+    return EmbedsKVEngine(
+        parts.talker.model,
+        cfg.talker.attention_spec(dtype),
+        talker_ops(parts.talker, parts.thinker.embed_tokens, tokens),
+        num_layers=cfg.talker.num_hidden_layers,
+        kv_cache_bytes=kv,
+        device=device,
+    )
+
+
+def _predictor_engine(
+    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str, kv: int
+) -> EmbedsKVEngine:
+    predictor = build_parts(cfg, folder, dtype, device).talker.code_predictor
+    return EmbedsKVEngine(
+        predictor.model,
+        cfg.predictor.attention_spec(dtype),
+        predictor_ops(predictor),
+        num_layers=cfg.predictor.num_hidden_layers,
+        kv_cache_bytes=kv,
+        device=device,
+    )
+
+
+def _code2wav_engine(
+    cfg: OmniConfig, left: int, folder: Path | None, dtype: torch.dtype, device: str
+) -> StatelessEngine:
+    code2wav = build_parts(cfg, folder, dtype, device).code2wav
+    after = functools.partial(code2wav.decode_after, left=left)
+    return StatelessEngine({"decode": code2wav.decode, "decode_after": after}, device=device)
+
+
+# ------------------------------------------------------------------------------ graph
+
+
+def _text_done(prefix: str) -> Callable[[LoopStep], bool]:
+    def until(step: LoopStep) -> bool:
+        # The prefill made the first token, so decode makes max_tokens - 1 at most.
+        if step.iteration + 2 >= int(step.params["max_tokens"]):
+            return True
+        return int(step.outputs[f"{prefix}.token"]) in step.params["stop_ids"]
+
+    return until
+
+
+def _frames_done(codec_eos: int, talker: str) -> Callable[[LoopStep], bool]:
+    def until(step: LoopStep) -> bool:
+        if step.iteration + 1 >= int(step.params["max_frames"]):
+            return True
+        return int(step.outputs[f"{talker}.code"]) == codec_eos
+
+    return until
+
+
+def _nodes() -> list[Node]:
+    return [
+        Node(
+            "thinker_prefill",
+            engine="thinker",
+            op="prefill",
+            inputs=["tokens", "sampling"],
+            outputs=["token"],
+        ),
+        Node("thinker_text", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
+        Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
+        Node(
+            "talker_prefill",
+            engine="talker",
+            op="prefill",
+            inputs=["prompt", "first", "speaker", "sampling"],
+            outputs=["code", "context"],
+        ),
+        Node(
+            "predictor_prefill",
+            engine="predictor",
+            op="prefill",
+            inputs=["context", "sampling"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "predictor",
+            engine="predictor",
+            op="decode",
+            inputs=["code", "codes"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "talker",
+            engine="talker",
+            op="decode",
+            inputs=["text", "code", "codes"],
+            outputs=["frame", "code", "context"],
+        ),
+        Node("code2wav", engine="code2wav", op="decode", inputs=["codes"], outputs=["pcm"]),
+        # The tail: after the text, the talker goes on with tts_pad until end of speech.
+        Node(
+            "tail_predictor_prefill",
+            engine="predictor",
+            op="prefill",
+            inputs=["context", "sampling"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "tail_predictor",
+            engine="predictor",
+            op="decode",
+            inputs=["code", "codes"],
+            outputs=["code", "codes"],
+        ),
+        Node(
+            "talker_tail",
+            engine="talker",
+            op="decode",
+            inputs=["text", "code", "codes"],
+            outputs=["frame", "code", "context"],
+        ),
+        Node(
+            "code2wav_tail",
+            engine="code2wav",
+            op="decode_after",
+            inputs=["codes", "history"],
+            outputs=["pcm"],
+        ),
+    ]
+
+
+def _edges(chunk: int, left_context: int) -> list[Any]:
+    return [
+        Edge("thinker_prefill.token", "thinker_text.token"),
+        Edge("thinker_prefill.token", "thinker.token"),
+        Edge("thinker_prefill.token", "talker_prefill.first"),
+        Edge("talker_prefill.context", "predictor_prefill.context"),
+        Edge("talker_prefill.code", "talker.code"),
+        Edge("predictor_prefill.code", "predictor.code"),
+        Edge("predictor_prefill.codes", "predictor.codes"),
+        Edge("predictor.codes", "talker.codes"),
+        stream("thinker.token", "talker.text", FixedChunkPolicy(1)),
+        stream("talker.frame", "code2wav.codes", LeftContextChunkPolicy(chunk, left_context)),
+        Edge("talker.code", "talker_tail.code"),
+        Edge("talker.context", "tail_predictor_prefill.context"),
+        Edge("tail_predictor_prefill.code", "tail_predictor.code"),
+        Edge("tail_predictor_prefill.codes", "tail_predictor.codes"),
+        Edge("tail_predictor.codes", "talker_tail.codes"),
+        stream(
+            "talker_tail.frame",
+            "code2wav_tail.codes",
+            LeftContextChunkPolicy(chunk, left_context),
+        ),
+    ]
+
+
+def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
+    text = DynamicLoop(
+        "thinker_text",
+        until=_text_done("thinker_text"),
+        max_iterations=max_iterations,
+        carry={"thinker_text.token": "thinker_text.token"},
+    )
+    thinker = DynamicLoop(
+        "thinker",
+        until=_text_done("thinker"),
+        max_iterations=max_iterations,
+        carry={"thinker.token": "thinker.token"},
+    )
+    residual = Loop(
+        "predictor",
+        iterations=cfg.num_code_groups - 2,
+        carry={"predictor.code": "predictor.code", "predictor.codes": "predictor.codes"},
+    )
+    frames = DynamicLoop(
+        Sequential("predictor_prefill", residual, "talker"),
+        until=_frames_done(cfg.codec_eos, "talker"),
+        max_iterations=max_iterations,
+        carry={"talker.context": "predictor_prefill.context", "talker.code": "talker.code"},
+    )
+    tail_residual = Loop(
+        "tail_predictor",
+        iterations=cfg.num_code_groups - 2,
+        carry={
+            "tail_predictor.code": "tail_predictor.code",
+            "tail_predictor.codes": "tail_predictor.codes",
+        },
+    )
+    tail = DynamicLoop(
+        Sequential("tail_predictor_prefill", tail_residual, "talker_tail"),
+        until=_frames_done(cfg.codec_eos, "talker_tail"),
+        max_iterations=max_iterations,
+        carry={
+            "talker_tail.context": "tail_predictor_prefill.context",
+            "talker_tail.code": "talker_tail.code",
+        },
+    )
+    return [
+        Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
+        Walk("text", text, outputs=["thinker_text.token"]),
+        Walk("voice", "talker_prefill", outputs=["talker_prefill.code"]),
+        Walk(
+            "speak",
+            Sequential(thinker, frames, "code2wav"),
+            outputs=["thinker.token", "talker.frame", "talker.code", "code2wav.pcm"],
+        ),
+        Walk(
+            "tail",
+            Sequential(tail, "code2wav_tail"),
+            outputs=["talker_tail.frame", "code2wav_tail.pcm"],
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------ program
+
+
+async def _speak(
+    request: Any,
+    tokens: TalkerTokens,
+    params: dict[str, Any],
+    sampling: SamplingParams,
+    detok: IncrementalDecoder,
+    left: int,
+    return_codes: bool,
+) -> AsyncGenerator[Any, None]:
+    """Walk ``speak`` (text, frames and audio together), then, if the talker has not finished
+    speaking when the text ends, walk ``tail`` (tts_pad rows until codec end-of-speech), its
+    code2wav windows borrowing left context from the last frames of ``speak``."""
+    history: list[torch.Tensor] = []  # the last frames, at least one (for its shape)
+    last_code, frames = tokens.codec_eos, 0
+    async with request.stream("speak", params=params, sampling=sampling) as events:
+        async for event in events:
+            if event.port == "code2wav.pcm":
+                yield AudioChunk(event.value, SAMPLE_RATE)
+            elif event.port == "talker.frame":
+                history = [*history, event.value][-max(left, 1) :]
+                if return_codes:
+                    yield LatentOutput(event.value, event.iteration)
+                frames = event.iteration + 1
+            elif event.port == "talker.code":
+                last_code = int(event.value)
+            elif (token := int(event.value)) not in params["stop_ids"] and (
+                delta := detok.push(token)
+            ):
+                yield TextDelta(delta)
+    if rest := detok.finish():
+        yield TextDelta(rest)
+    remaining = int(params["max_frames"]) - frames
+    if last_code == tokens.codec_eos or remaining < 1 or not history:
+        return
+    inputs = {
+        "text": torch.tensor(tokens.tts_pad),
+        "history": torch.stack(history) if left else history[0][:0],
+        "sampling": sampling,
+    }
+    async with request.stream("tail", params={"max_frames": remaining}, **inputs) as events:
+        async for event in events:
+            if event.port == "code2wav_tail.pcm":
+                yield AudioChunk(event.value, SAMPLE_RATE)
+            elif return_codes:
+                yield LatentOutput(event.value, frames + event.iteration)
+
+
+def _program(
+    cfg: OmniConfig, tokenizer: ChatTokenizer, tokens: TalkerTokens, left: int
+) -> Callable[..., AsyncGenerator[Any, None]]:
+    async def program(
+        request: Any,
+        text: str = "",
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int = 64,
+        speak: bool = True,
+        seed: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        speaker: str | None = None,
+        voice_temperature: float = 0.9,
+        voice_top_k: int = 50,
+        max_frames: int = 0,
+        ignore_eos: bool = False,
+        return_codes: bool = False,
+    ) -> AsyncGenerator[Any, None]:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        voice = (speaker or next(iter(tokens.speakers))).lower()
+        if voice not in tokens.speakers:
+            raise ValueError(f"unknown speaker {speaker!r}; speakers: {sorted(tokens.speakers)}")
+        conversation = messages or [{"role": "user", "content": text}]
+        ids = torch.tensor(tokenizer.encode(tokenizer.apply_chat_template(conversation)))
+        stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+        )
+        detok = IncrementalDecoder(tokenizer)
+        first = int((await request.run("prefill", tokens=ids, sampling=sampling))["token"])
+        if first in stop_ids:
+            return
+        if delta := detok.push(first):
+            yield TextDelta(delta)
+        if max_tokens == 1:
+            if tail := detok.finish():
+                yield TextDelta(tail)
+            return
+        # Frames are 80 ms; by default speech may run to eight frames per text token.
+        frames_cap = max_frames or 8 * max_tokens
+        params = {"max_tokens": max_tokens, "stop_ids": stop_ids, "max_frames": frames_cap}
+        code0 = None
+        if speak:
+            voice_params = SamplingParams(
+                temperature=voice_temperature, top_k=voice_top_k, seed=seed
+            )
+            code0 = (
+                await request.run(
+                    "voice", prompt=ids, speaker=tokens.speakers[voice], sampling=voice_params
+                )
+            )["code"]
+        if code0 is None or int(code0) == tokens.codec_eos:
+            async with request.stream("text", params=params) as events:
+                async for event in events:
+                    token = int(event.value)
+                    if token in stop_ids:
+                        break
+                    if delta := detok.push(token):
+                        yield TextDelta(delta)
+        else:
+            predictor_params = SamplingParams(
+                temperature=voice_temperature, top_k=voice_top_k, top_p=0.8, seed=seed + 1
+            )
+            speech = _speak(request, tokens, params, predictor_params, detok, left, return_codes)
+            async with aclosing(speech) as outputs:
+                async for output in outputs:
+                    yield output
+            return
+        if rest := detok.finish():
+            yield TextDelta(rest)
+
+    return program
+
+
+# ------------------------------------------------------------------------------ builder
+
+
+@register(
+    "qwen3-omni",
+    "Qwen3-Omni-style thinker -> talker + code predictor -> code2wav, text and 24 kHz speech",
+)
+def build_qwen3_omni(
+    path: str | Path | None = None,
+    *,
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    max_iterations: int = 4096,
+    chunk: int = CHUNK,
+    left_context: int = LEFT_CONTEXT,
+) -> Model:
+    """Build the model: seeded weights of ``size`` (``tiny`` or ``small``) over the SmolLM2
+    tokenizer, or, with ``path``, a Qwen3-Omni checkpoint folder (its config, tokenizer and
+    weights by upstream names; audio/vision towers ignored).
+
+    The tokenizer loads here; weights load when the engines are built on their worker.
+
+    Raises:
+        ValueError: an unknown ``size`` or ``dtype``.
+        CheckpointError: the folder lacks a file it needs.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    folder = Path(path) if path is not None else None
+    if folder is None:
+        tokenizer = ChatTokenizer.from_folder(smollm2_folder())
+        cfg = seeded_config(size, seed, tokenizer)
+    else:
+        tokenizer = ChatTokenizer.from_folder(folder)
+        cfg = OmniConfig.from_hf(_read_config(folder))
+    tokens = talker_tokens(cfg, tokenizer)
+    torch_dtype = _DTYPES[dtype]
+    engine_args = (folder, torch_dtype, device)
+    return Model(
+        "qwen3-omni",
+        nodes=_nodes(),
+        edges=_edges(chunk, left_context),
+        walks=_walks(cfg, max_iterations),
+        program=_program(cfg, tokenizer, tokens, left_context),
+        components={
+            "thinker": functools.partial(_thinker_engine, cfg, *engine_args, kv_cache_bytes),
+            "talker": functools.partial(_talker_engine, cfg, tokens, *engine_args, kv_cache_bytes),
+            "predictor": functools.partial(
+                _predictor_engine, cfg, *engine_args, kv_cache_bytes // 4
+            ),
+            "code2wav": functools.partial(_code2wav_engine, cfg, left_context, *engine_args),
+        },
+        description=f"qwen3-omni ({'seeded ' + size if folder is None else folder})",
+    )

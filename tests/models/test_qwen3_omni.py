@@ -1,0 +1,310 @@
+"""qwen3-omni through the runtime: text and audio interleaved, streaming equals batch decoding,
+audio length, the graph's nesting, a dense reference of the whole data flow, and cancellation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from mstar_async.graph import DynamicLoop, Loop, Sequential
+from mstar_async.models import build_model
+from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.models.qwen3_omni.code2wav import chunked_decode
+from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention
+from mstar_async.models.qwen3_omni.model import seeded_config, talker_tokens
+from mstar_async.models.qwen3_omni.talker import TalkerTokens, talker_prompt
+from mstar_async.models.qwen3_omni.weights import OmniParts, build_parts
+from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
+from mstar_async.runtime import open_runtime
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+CHUNK = 4
+PROMPT = "Say something about the sea."
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny models on a shared 2-core machine run several times faster on one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.from_folder(smollm2_folder())
+
+
+def _model(**options: Any) -> Any:
+    return build_model("qwen3-omni", size="tiny", chunk=CHUNK, left_context=CHUNK, **options)
+
+
+def _parts(tokenizer: ChatTokenizer) -> tuple[OmniParts, TalkerTokens]:
+    cfg = seeded_config("tiny", 0, tokenizer)
+    return build_parts(cfg, None, torch.float32, "cpu"), talker_tokens(cfg, tokenizer)
+
+
+async def _collect(runtime: Any, **inputs: Any) -> list[Any]:
+    # Greedy speech from random weights rarely ends by itself: bound it.
+    inputs.setdefault("max_frames", 24)
+    with anyio.fail_after(60):
+        async with runtime.generate(**inputs) as outputs:
+            return [item async for item in outputs]
+
+
+GREEDY = {"temperature": 0.0, "voice_temperature": 0.0, "ignore_eos": True}
+
+
+async def test_text_streams_while_audio_chunks_arrive() -> None:
+    async with open_runtime(_model()) as runtime:
+        out = await _collect(runtime, text=PROMPT, max_tokens=32, **GREEDY)
+    kinds = ["T" if isinstance(o, TextDelta) else "A" for o in out]
+    audio = [o for o in out if isinstance(o, AudioChunk)]
+    assert len(audio) >= 2
+    assert all(a.sample_rate == 24_000 and a.pcm.dtype == torch.float32 for a in audio)
+    # The first audio chunk comes before the last text delta: speech starts while the thinker
+    # is still writing, and text is streamed before the last audio chunk.
+    assert kinds.index("A") < len(kinds) - 1 - kinds[::-1].index("T")
+    assert kinds.index("T") < len(kinds) - 1 - kinds[::-1].index("A")
+    assert all(a.pcm.abs().max() <= 1.0 for a in audio)
+
+
+def _windowed(code2wav: Any, frames: torch.Tensor, spoken: int) -> torch.Tensor:
+    """All frames decoded at once under the runtime's windowing: left-context windows over the
+    frames made with the text, then windows restarting at the tail, each with up to CHUNK
+    earlier frames (of either part) as context."""
+    pieces = [chunked_decode(code2wav, frames[:spoken], CHUNK, CHUNK)]
+    for start in range(spoken, len(frames), CHUNK):
+        context = min(CHUNK, start)
+        pieces.append(code2wav.decode_chunk(frames[start - context : start + CHUNK], context))
+    return torch.cat(pieces)
+
+
+async def test_streamed_pcm_equals_decoding_all_frames_at_once(tokenizer: ChatTokenizer) -> None:
+    max_tokens = 15
+    async with open_runtime(_model()) as runtime:
+        out = await _collect(
+            runtime, text=PROMPT, max_tokens=max_tokens, max_frames=25, return_codes=True, **GREEDY
+        )
+    frames = torch.stack([o.latent for o in out if isinstance(o, LatentOutput)])
+    assert [o.step for o in out if isinstance(o, LatentOutput)] == list(range(len(frames)))
+    pcm = torch.cat([o.pcm for o in out if isinstance(o, AudioChunk)])
+    parts, _ = _parts(tokenizer)
+    code2wav = parts.code2wav
+    # One frame per text token while the text lasts (ignore_eos: max_tokens - 1 after the
+    # prefill's), then the tail until end of speech or max_frames.
+    spoken = min(len(frames), max_tokens - 1)
+    assert len(frames) > spoken, "the talker should speak on after the text"
+    with torch.inference_mode():
+        whole = _windowed(code2wav, frames, spoken)
+        one = code2wav(frames[:1].T)
+    torch.testing.assert_close(pcm, whole, atol=1e-5, rtol=1e-5)
+    # Audio length follows the frame count: total_upsample samples per frame, less the fixed
+    # tail each causal decode drops (as upstream's chunked decode).
+    upsample = code2wav.config.total_upsample
+    chunks = math.ceil(spoken / CHUNK) + math.ceil((len(frames) - spoken) / CHUNK)
+    assert len([o for o in out if isinstance(o, AudioChunk)]) == chunks
+    assert pcm.numel() == len(frames) * upsample - (upsample - one.numel()) * chunks
+
+
+def _reference(
+    parts: OmniParts,
+    tokens: TalkerTokens,
+    ids: list[int],
+    max_tokens: int,
+    speaker: int,
+    max_frames: int,
+) -> tuple[list[int], list[list[int]]]:
+    """The whole greedy data flow, sequentially, on dense attention recomputed every step."""
+    thinker, talker = parts.thinker, parts.talker
+    predictor = talker.code_predictor
+    text: list[int] = []
+    for _ in range(max_tokens):
+        seq = torch.tensor(ids + text)
+        hidden = thinker(seq, DenseCausalAttention(len(seq)))
+        text.append(int(thinker.compute_logits(hidden[-1]).argmax()))
+
+    def code0(h: torch.Tensor) -> int:
+        logits = talker.codec_head(h)
+        logits[tokens.codebook_size :] = float("-inf")
+        logits[tokens.codec_eos] = talker.codec_head(h)[tokens.codec_eos]
+        return int(logits.argmax())
+
+    rows = talker_prompt(talker, thinker.embed_tokens, tokens, torch.tensor(ids), text[0], speaker)
+    hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
+    code = code0(hidden)
+    frames: list[list[int]] = []
+    # One text token per frame (tts_eos for the end of text), then tts_pad: upstream's
+    # trailing text.
+    feed = [tokens.tts_eos if t in tokens.text_eos else t for t in text[1:]]
+    while len(frames) < max_frames:
+        token = feed[len(frames)] if len(frames) < len(feed) else tokens.tts_pad
+        cp_rows = [hidden, talker.model.codec_embedding.weight[code]]
+        codes: list[int] = []
+        for group in range(talker.groups - 1):
+            h = predictor.model(torch.stack(cp_rows), DenseCausalAttention(len(cp_rows)))[-1]
+            codes.append(int(predictor.lm_head[group](h).argmax()))
+            cp_rows.append(predictor.embed(group + 1, codes[-1]))
+        frame = [code, *codes]
+        frames.append(frame)
+        row = talker.frame_embedding(torch.tensor(frame)) + talker.text_projection(
+            thinker.embed_tokens.weight[token]
+        )
+        rows = torch.cat([rows, row[None]])
+        hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
+        code = code0(hidden)
+        if code == tokens.codec_eos:
+            break
+    return text, frames
+
+
+async def test_runtime_matches_a_dense_sequential_reference(tokenizer: ChatTokenizer) -> None:
+    max_tokens, max_frames = 10, 16
+    async with open_runtime(_model()) as runtime:
+        out = await _collect(
+            runtime,
+            text=PROMPT,
+            max_tokens=max_tokens,
+            max_frames=max_frames,
+            return_codes=True,
+            **GREEDY,
+        )
+    frames = [o.latent.tolist() for o in out if isinstance(o, LatentOutput)]
+    parts, tokens = _parts(tokenizer)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    with torch.inference_mode():
+        text, want = _reference(
+            parts,
+            tokens,
+            tokenizer.encode(prompt),
+            max_tokens,
+            tokens.speakers["ethan"],
+            max_frames,
+        )
+    assert "".join(o.text for o in out if isinstance(o, TextDelta)) == tokenizer.decode(text)
+    assert frames == want
+    assert max_tokens - 1 < len(frames) <= max_frames  # the tail ran
+
+
+async def test_text_only_request_makes_the_same_text_and_no_audio() -> None:
+    async with open_runtime(_model()) as runtime:
+        spoken = await _collect(runtime, text=PROMPT, max_tokens=8, **GREEDY)
+        silent = await _collect(runtime, text=PROMPT, max_tokens=8, speak=False, **GREEDY)
+    assert not any(isinstance(o, AudioChunk) for o in silent)
+    text = ["".join(o.text for o in out if isinstance(o, TextDelta)) for out in (spoken, silent)]
+    assert text[0] == text[1] and text[0]
+
+
+async def test_concurrent_requests_match_requests_alone() -> None:
+    texts = [PROMPT, "What is a prime number?"]
+    async with open_runtime(_model()) as runtime:
+        alone = [
+            await _collect(runtime, text=t, max_tokens=9, return_codes=True, **GREEDY)
+            for t in texts
+        ]
+        together: dict[int, list[Any]] = {}
+
+        async def one(i: int) -> None:
+            together[i] = await _collect(
+                runtime, text=texts[i], max_tokens=9, return_codes=True, **GREEDY
+            )
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(texts)):
+                tg.start_soon(one, i)
+
+    def frames(out: list[Any]) -> list[list[int]]:
+        return [o.latent.tolist() for o in out if isinstance(o, LatentOutput)]
+
+    for i in range(len(texts)):
+        assert frames(together[i]) == frames(alone[i])
+        pcm = [
+            torch.cat([o.pcm for o in out if isinstance(o, AudioChunk)])
+            for out in (together[i], alone[i])
+        ]
+        torch.testing.assert_close(pcm[0], pcm[1], atol=1e-5, rtol=1e-5)
+
+
+async def test_cancel_and_finish_free_every_kv_block() -> None:
+    async with open_runtime(_model()) as runtime:
+        engines = [runtime.batching.engines[name] for name in ("thinker", "talker", "predictor")]
+        await _collect(runtime, text=PROMPT, max_tokens=6, **GREEDY)
+        assert [e.blocks_in_use for e in engines] == [0, 0, 0]
+        with anyio.fail_after(60):
+            async with runtime.generate(text=PROMPT, max_tokens=400, **GREEDY) as outputs:
+                async for item in outputs:
+                    if isinstance(item, AudioChunk):
+                        assert engines[0].blocks_in_use > 0 and engines[1].blocks_in_use > 0
+                        break
+        assert [e.blocks_in_use for e in engines] == [0, 0, 0]
+
+
+def test_graph_nests_the_code_predictor_loop_inside_the_talker_loop() -> None:
+    model = _model()
+    walks = model.walks
+    assert set(walks) == {"prefill", "text", "voice", "speak", "tail"}
+    speak = walks["speak"].body
+    assert isinstance(speak, Sequential)
+    thinker, frames, _ = speak.children
+    assert isinstance(thinker, DynamicLoop) and isinstance(frames, DynamicLoop)
+    assert isinstance(frames.body, Sequential)
+    inner = frames.body.children[1]
+    assert isinstance(inner, Loop) and inner.iterations == 2  # codebooks 2 and 3 of 4
+    tail = walks["tail"].body
+    assert isinstance(tail, Sequential) and isinstance(tail.children[0], DynamicLoop)
+    assert isinstance(tail.children[0].body, Sequential)
+    assert isinstance(tail.children[0].body.children[1], Loop)
+
+
+async def test_bad_inputs_name_the_problem() -> None:
+    async with open_runtime(_model()) as runtime:
+        with pytest.raises(Exception, match="unknown speaker"):
+            await _collect(runtime, text=PROMPT, speaker="nobody")
+    with pytest.raises(ValueError, match="unknown size"):
+        build_model("qwen3-omni", size="huge")
+
+
+def test_embeds_engine_fails_a_step_that_does_not_fit_and_frees_on_release(
+    tokenizer: ChatTokenizer,
+) -> None:
+    from mstar_async.engines.base import Step
+    from mstar_async.errors import KVCacheFull
+    from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+    from mstar_async.models.qwen3_omni.talker import predictor_ops
+
+    parts, _ = _parts(tokenizer)
+    predictor = parts.talker.code_predictor
+    cfg = predictor.model.config
+    engine = EmbedsKVEngine(
+        predictor.model,
+        cfg.attention_spec(torch.float32),
+        predictor_ops(predictor),
+        num_layers=cfg.num_hidden_layers,
+        num_blocks=1,
+        block_size=2,
+    )
+    context = torch.randn(2, cfg.hidden_size)
+    first = engine.forward([Step("a", "prefill", {"context": context})])[0]
+    assert isinstance(first, dict) and first["codes"].tolist() == [int(first["code"])]
+    assert engine.blocks_in_use == 1
+    # A second request and a third row find no room; each fails alone.
+    late = engine.forward(
+        [
+            Step("b", "prefill", {"context": context}),
+            Step("a", "decode", {"code": first["code"], "codes": first["codes"]}),
+        ]
+    )
+    assert all(isinstance(r, KVCacheFull) for r in late)
+    # A fresh prefill of the same request drops its old sequence first.
+    again = engine.forward([Step("a", "prefill", {"context": context})])[0]
+    assert isinstance(again, dict) and engine.blocks_in_use == 1
+    engine.release("a")
+    engine.release("b")
+    assert engine.blocks_in_use == 0

@@ -1,0 +1,344 @@
+"""qwen3-omni parts against transformers' ``qwen3_omni_moe`` modules on tiny random configs.
+
+Upstream modules are built from tiny configs with random weights; their state dicts load into
+ours by upstream names (strictly), and both run the same inputs in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from mstar_async.models import build_model
+from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, Qwen3Config, seeded_init
+from mstar_async.models.qwen3_omni.talker import Talker
+from mstar_async.models.qwen3_omni.thinker import Thinker
+from mstar_async.models.qwen3_omni.weights import fuse_expert_keys, load_part, upstream_keys
+from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
+from mstar_async.runtime import open_runtime
+
+hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
+hf_config = pytest.importorskip("transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe")
+
+pytestmark = pytest.mark.timeout(60)
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+TEXT = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _randomise(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            scale = 0.5 if param.dim() > 1 else 0.1
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            if name.endswith("norm.weight"):
+                param.add_(1.0)
+
+
+def test_thinker_text_model_logits_match_upstream() -> None:
+    upstream = hf.Qwen3OmniMoeThinkerTextModel(hf_config.Qwen3OmniMoeTextConfig(**TEXT)).eval()
+    _randomise(upstream, 0)
+    cfg = Qwen3Config.from_hf(TEXT)
+    assert cfg.sparse(0) and cfg.sparse(1)
+    ours = Thinker(cfg, TEXT["vocab_size"]).eval()
+    head = torch.randn(
+        TEXT["vocab_size"], TEXT["hidden_size"], generator=torch.Generator().manual_seed(1)
+    )
+    state = {f"model.{k}": v for k, v in upstream.state_dict().items()} | {"lm_head.weight": head}
+    load_part(ours, state, "")
+    ids = torch.randint(0, TEXT["vocab_size"], (11,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = upstream(input_ids=ids[None]).last_hidden_state[0] @ head.T
+        got = ours.compute_logits(ours(ids, DenseCausalAttention(len(ids))))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def _talker_config() -> Any:
+    text = {**TEXT, "shared_expert_intermediate_size": 24, "norm_topk_prob": False}
+    predictor = {
+        key: TEXT[key]
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    } | {
+        "vocab_size": 40,
+        "num_hidden_layers": 1,
+        "num_code_groups": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    return hf_config.Qwen3OmniMoeTalkerConfig(
+        text_config=text,
+        code_predictor_config=predictor,
+        num_code_groups=4,
+        thinker_hidden_size=48,
+        spatial_merge_size=2,
+    )
+
+
+def _talkers() -> tuple[Any, Talker]:
+    upstream = hf.Qwen3OmniMoeTalkerForConditionalGeneration(_talker_config()).eval()
+    _randomise(upstream, 3)
+    cfg = Qwen3Config.from_hf(TEXT)
+    from dataclasses import replace
+
+    ours = Talker(
+        replace(cfg, shared_expert_intermediate_size=24, norm_topk_prob=False),
+        vocab=TEXT["vocab_size"],
+        thinker_hidden=48,
+        predictor=replace(cfg, num_hidden_layers=1, num_experts=0),
+        codebook_size=40,
+        groups=4,
+    ).eval()
+    load_part(ours, upstream.state_dict(), "")
+    return upstream, ours
+
+
+def test_talker_hidden_codec_logits_and_projection_match_upstream() -> None:
+    upstream, ours = _talkers()
+    gen = torch.Generator().manual_seed(4)
+    thinker_rows = torch.randn(9, 48, generator=gen)
+    with torch.no_grad():
+        rows = upstream.text_projection(thinker_rows)
+        torch.testing.assert_close(ours.text_projection(thinker_rows), rows, **TOL)
+        want = upstream.codec_head(upstream.model(inputs_embeds=rows[None]).last_hidden_state[0])
+        got = ours.codec_head(ours.model(rows, DenseCausalAttention(9)))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_code_predictor_matches_upstream_per_group() -> None:
+    upstream, ours = _talkers()
+    gen = torch.Generator().manual_seed(5)
+    context = torch.randn(2, 32, generator=gen)
+    codes = [7, 19]
+    with torch.no_grad():
+        cp = upstream.code_predictor
+        rows = torch.cat(
+            [context]
+            + [cp.model.codec_embedding[g](torch.tensor([c])) for g, c in enumerate(codes)]
+        )
+        want_hidden = cp.model(inputs_embeds=rows[None]).last_hidden_state[0]
+        ours_rows = torch.cat(
+            [context] + [ours.code_predictor.embed(g + 1, c)[None] for g, c in enumerate(codes)]
+        )
+        got_hidden = ours.code_predictor.model(ours_rows, DenseCausalAttention(4))
+        torch.testing.assert_close(got_hidden, want_hidden, **TOL)
+        for group in range(3):
+            torch.testing.assert_close(
+                ours.code_predictor.lm_head[group](got_hidden[group + 1]),
+                cp.lm_head[group](want_hidden[group + 1]),
+                **TOL,
+            )
+
+
+def test_code2wav_matches_upstream_beyond_its_sliding_window() -> None:
+    fields = {
+        "codebook_size": 32,
+        "num_quantizers": 4,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "sliding_window": 6,
+        "upsample_rates": [4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 16,
+    }
+    upstream = hf.Qwen3OmniMoeCode2Wav(hf_config.Qwen3OmniMoeCode2WavConfig(**fields)).eval()
+    seeded_init(upstream, 6)
+    ours = Code2Wav(Code2WavConfig.from_hf(fields)).eval()
+    load_part(ours, upstream.state_dict(), "")
+    codes = torch.randint(0, 32, (4, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = upstream(codes[None]).reshape(-1)
+        got = ours(codes)
+    assert got.shape == want.shape
+    assert (want.abs() < 1).float().mean() > 0.1, "the test signal is all clipped"
+    torch.testing.assert_close(got, want, **TOL)
+    with torch.no_grad():
+        chunked = upstream.chunked_decode(codes[None], chunk_size=8, left_context_size=5).reshape(
+            -1
+        )
+    from mstar_async.models.qwen3_omni.code2wav import chunked_decode
+
+    torch.testing.assert_close(chunked_decode(ours, codes.T, 8, 5), chunked, **TOL)
+
+
+def test_released_expert_layout_and_language_model_prefix_are_normalised() -> None:
+    gate = [torch.full((3, 2), float(e)) for e in range(2)]
+    up = [torch.full((3, 2), 10.0 + e) for e in range(2)]
+    down = [torch.full((2, 3), 20.0 + e) for e in range(2)]
+    state = {"thinker.model.language_model.norm.weight": torch.ones(2)}
+    for e in range(2):
+        prefix = f"thinker.model.layers.0.mlp.experts.{e}"
+        state |= {
+            f"{prefix}.gate_proj.weight": gate[e],
+            f"{prefix}.up_proj.weight": up[e],
+            f"{prefix}.down_proj.weight": down[e],
+        }
+    out = upstream_keys(state)
+    assert sorted(out) == [
+        "thinker.model.layers.0.mlp.experts.down_proj",
+        "thinker.model.layers.0.mlp.experts.gate_up_proj",
+        "thinker.model.norm.weight",
+    ]
+    fused = out["thinker.model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused.shape == (2, 6, 2)
+    assert fused[1, :3].eq(1).all() and fused[1, 3:].eq(11).all()
+    assert out["thinker.model.layers.0.mlp.experts.down_proj"][0].eq(20).all()
+    assert fuse_expert_keys({"a": torch.ones(1)}).keys() == {"a"}
+
+
+def test_loading_names_what_is_missing() -> None:
+    ours = Thinker(Qwen3Config.from_hf(TEXT), TEXT["vocab_size"])
+    with pytest.raises(ValueError, match="missing"):
+        load_part(ours, {"thinker.lm_head.weight": torch.zeros(96, 32)}, "thinker.")
+
+
+# ------------------------------------------------------------------ a whole checkpoint folder
+
+VOCAB = 49152 + 3  # the SmolLM2 tokenizer's vocabulary and three tts ids
+
+
+def _omni_config() -> Any:
+    text = {**TEXT, "vocab_size": VOCAB}
+    talker_text = {**TEXT, "shared_expert_intermediate_size": 24, "norm_topk_prob": False}
+    predictor = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_code_groups": 4,
+    }
+    audio = {
+        "num_mel_bins": 16,
+        "encoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 32,
+        "d_model": 16,
+        "output_dim": 32,
+        "downsample_hidden_size": 8,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "deepstack_visual_indexes": [0],
+        "num_position_embeddings": 16,
+    }
+    names = ["codec_pad_id", "codec_bos_id", "codec_eos_token_id", "codec_nothink_id"]
+    names += ["codec_think_bos_id", "codec_think_eos_id"]
+    codec = {name: 64 + i for i, name in enumerate(names)}
+    return hf_config.Qwen3OmniMoeConfig(
+        thinker_config={"text_config": text, "audio_config": audio, "vision_config": vision},
+        talker_config={
+            "text_config": talker_text,
+            "code_predictor_config": predictor,
+            "num_code_groups": 4,
+            "thinker_hidden_size": 32,
+            "speaker_id": {"Ethan": 70},
+            "spatial_merge_size": 2,
+            **codec,
+        },
+        code2wav_config={
+            "codebook_size": 64,
+            "num_quantizers": 4,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "decoder_dim": 16,
+        },
+        tts_bos_token_id=VOCAB - 3,
+        tts_eos_token_id=VOCAB - 2,
+        tts_pad_token_id=VOCAB - 1,
+    )
+
+
+@pytest.fixture(scope="module")
+def omni_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A tiny random ``Qwen3OmniMoeForConditionalGeneration`` saved as a checkpoint folder
+    (transformers writes the released layout: per-expert keys, ``thinker.model.*``), with the
+    SmolLM2 tokenizer beside it."""
+    torch.manual_seed(0)
+    upstream = hf.Qwen3OmniMoeForConditionalGeneration(_omni_config()).eval()
+    seeded_init(upstream, 8)
+    folder = tmp_path_factory.mktemp("qwen3-omni")
+    upstream.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_folder() / name, folder / name)
+    return upstream, folder
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+async def test_checkpoint_folder_text_and_audio_match_upstream(
+    omni_folder: tuple[Any, Path],
+) -> None:
+    upstream, folder = omni_folder
+    chunk = 4
+    model = build_model("qwen3-omni", path=folder, chunk=chunk, left_context=chunk)
+    async with open_runtime(model) as runtime:
+        with anyio.fail_after(60):
+            async with runtime.generate(
+                text="Hi there", max_tokens=12, max_frames=11, ignore_eos=True, return_codes=True
+            ) as outputs:
+                items = [item async for item in outputs]
+    tokenizer = ChatTokenizer.from_folder(folder)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]))
+    language_model, head = upstream.thinker.model.language_model, upstream.thinker.lm_head
+    with torch.no_grad():
+        for _ in range(12):
+            hidden = language_model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+            ids.append(int(head(hidden).argmax()))
+    text = "".join(o.text for o in items if isinstance(o, TextDelta))
+    assert text == tokenizer.decode(ids[-12:])
+    frames = torch.stack([o.latent for o in items if isinstance(o, LatentOutput)])
+    pcm = torch.cat([o.pcm for o in items if isinstance(o, AudioChunk)])
+    assert frames.shape[0] >= 1
+    with torch.no_grad():
+        want = upstream.code2wav.chunked_decode(
+            frames.T[None], chunk_size=chunk, left_context_size=chunk
+        )
+    # Six upsampling stages (1920x) of float32 convolutions: a few samples differ by ~5e-4.
+    torch.testing.assert_close(pcm, want.reshape(-1), atol=2e-3, rtol=1e-3)
