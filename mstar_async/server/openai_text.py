@@ -164,7 +164,10 @@ async def _respond(
     shape: _Shape,
 ) -> Response:
     _check_supported(served, inputs)
-    tracked = await TrackedRequest.start(server_state(request), served, route, inputs)
+    # A stream answers at once (its first chunk carries the role); errors then come as events.
+    tracked = await TrackedRequest.start(
+        server_state(request), served, route, inputs, prime=not body.stream
+    )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(_stream(tracked, shape, include_usage))

@@ -21,14 +21,16 @@ CLIENT_CLOSED = 499
 RETRY_AFTER_SECONDS = 1
 #: A request that failed before its response began: the error handler counts that response.
 ANSWERED_AS_ERROR = 0
+_UNPRIMED = object()
 
 
 class TrackedRequest:
     """A request admitted to a served model: iterate ``outputs()``, then always ``close()``.
 
-    ``start()`` runs the request up to its first output, so bad inputs become a 400 before a
-    response has begun. ``close()`` cancels the request if it still runs, waits until it has
-    released its engines' memory, gives its admission ticket back and records its metrics.
+    ``start(..., prime=True)`` runs the request up to its first output, so inputs the program
+    rejects become a 400 before a response has begun. ``close()`` cancels the request if it
+    still runs, waits until it has released its engines' memory, gives its admission ticket
+    back and records its metrics.
     """
 
     def __init__(
@@ -48,15 +50,22 @@ class TrackedRequest:
         self.status = CLIENT_CLOSED
         self._ticket: Ticket | None = ticket
         self._arrived = arrived
-        self._first: Any = None
+        self._first: Any = _UNPRIMED
         self._started = False
         state.metrics.in_flight.labels(model=served.name).inc()
 
     @classmethod
     async def start(
-        cls, state: ServerState, served: ServedModel, route: str, inputs: dict[str, Any]
+        cls,
+        state: ServerState,
+        served: ServedModel,
+        route: str,
+        inputs: dict[str, Any],
+        *,
+        prime: bool = True,
     ) -> TrackedRequest:
-        """Admit and start a request with program ``inputs``; wait for its first output.
+        """Admit and start a request with program ``inputs``; with ``prime``, wait for its first
+        output (a route that answers at once, like a chat stream's role chunk, does not).
 
         Cancel-safe: a cancelled start closes the request and frees its place.
 
@@ -79,6 +88,8 @@ class TrackedRequest:
             ticket.release()
             raise APIError(400, str(exc), param="inputs") from None
         tracked = cls(state, served, route, stream, ticket, arrived)
+        if not prime:
+            return tracked
         try:
             tracked._first = await tracked._next()
         except BaseException:
@@ -94,6 +105,8 @@ class TrackedRequest:
             APIError: 500 when the request fails midway.
         """
         item, self._first = self._first, None
+        if item is _UNPRIMED:
+            item = await self._next()
         while item is not None:
             if isinstance(item, TextEnd):
                 self.end = item
