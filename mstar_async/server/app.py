@@ -81,6 +81,7 @@ def create_app(
                 say(f"{name} ready in {time.perf_counter() - started:.1f} s")
                 log.info("server.model_ready", model=name)
             state.ready = True
+            say(f"ready: {', '.join(state.models)}")
             try:
                 yield
             finally:
