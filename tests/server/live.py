@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -37,3 +42,29 @@ def live_server(app: Starlette, *, loop: str = "asyncio") -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@dataclass
+class Reply:
+    """A plain HTTP reply: status, headers (lower-case names) and body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http(method: str, url: str, body: Any = None, *, timeout: float = 60) -> Reply:
+    """One HTTP request with the standard library (a JSON ``body`` if given); any status."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            headers = {k.lower(): v for k, v in response.headers.items()}
+            return Reply(response.status, headers, response.read())
+    except urllib.error.HTTPError as error:
+        headers = {k.lower(): v for k, v in error.headers.items()}
+        return Reply(error.code, headers, error.read())

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx2
 import pytest
 
 from mstar_async.cli.serve import placements
 from mstar_async.errors import MstarError
 from tests.server.conftest import openai_client
+from tests.server.live import http
 
 
 def _free_port() -> int:
@@ -52,9 +52,9 @@ def _wait_healthy(url: str, process: subprocess.Popen[str], within: float) -> No
             raise AssertionError(f"mstar serve exited: {process.communicate()[1]}")
         assert time.monotonic() < deadline, "mstar serve did not become healthy"
         try:
-            if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
+            if http("GET", f"{url}/health", timeout=1).status == 200:
                 return
-        except httpx2.TransportError:
+        except OSError:  # not listening yet
             pass
         time.sleep(0.1)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx2
 import openai
 import pytest
 import torch
@@ -22,7 +21,7 @@ from mstar_async.outputs import AudioChunk, ImageOutput
 from mstar_async.runtime import open_runtime
 from mstar_async.server import ModelSpec, create_app
 from tests.server.conftest import openai_client
-from tests.server.live import live_server
+from tests.server.live import http, live_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,10 +37,10 @@ def url(tiny_folder: Path) -> Iterator[str]:
 
 
 def events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with httpx2.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in response.iter_lines() if line]
+    reply = http("POST", f"{url}/generate", body)
+    assert reply.status == 200, reply.body
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in reply.body.decode().splitlines() if line]
     assert all(line.startswith("data: ") for line in lines)
     return [json.loads(line[len("data: ") :]) for line in lines]
 
@@ -94,9 +93,9 @@ def test_generate_streams_text_and_its_end_as_ndjson(url: str) -> None:
         "inputs": {"prompt": "we", "max_tokens": 4, "ignore_eos": True},
         "format": "ndjson",
     }
-    response = httpx2.post(f"{url}/generate", json=body, timeout=60)
-    assert response.headers["content-type"] == "application/x-ndjson"
-    got = [json.loads(line) for line in response.text.splitlines()]
+    reply = http("POST", f"{url}/generate", body)
+    assert reply.headers["content-type"] == "application/x-ndjson"
+    got = [json.loads(line) for line in reply.body.decode().splitlines()]
     assert {e["type"] for e in got[:-2]} == {"text"}
     assert got[-2]["type"] == "text_end"
     assert (got[-2]["completion_tokens"], got[-2]["finish_reason"]) == (4, "length")
@@ -116,16 +115,16 @@ def test_generate_streams_text_and_its_end_as_ndjson(url: str) -> None:
 def test_generate_errors_name_the_problem(
     url: str, body: dict[str, Any], status: int, param: str | None
 ) -> None:
-    response = httpx2.post(f"{url}/generate", json=body, timeout=60)
-    assert response.status_code == status
-    error = response.json()["error"]
+    reply = http("POST", f"{url}/generate", body)
+    assert reply.status == status
+    error = reply.json()["error"]
     assert error["param"] == param and error["message"]
     if status == 404:
         assert "['causal-lm', 'demo']" in error["message"]
 
 
 def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx2.get(f"{url}/metrics", timeout=10).text
+    text = http("GET", f"{url}/metrics").body.decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)

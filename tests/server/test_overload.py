@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-import httpx2
 import openai
 import pytest
 
 from mstar_async.engines import Engine, Step, StepResult
 from tests.server.conftest import LIMIT, Live
+from tests.server.live import http
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,8 +91,8 @@ def test_past_the_limit_requests_get_429_at_once_and_admitted_ones_finish(live: 
             assert seconds < 2.0
             assert exc.status_code == 429 and exc.type == "rate_limit_error"
             assert exc.response.headers["retry-after"] == "1"
-        health = httpx2.get(f"{live.url}/health", timeout=5)
-        assert health.status_code == 200
+        health = http("GET", f"{live.url}/health", timeout=5)
+        assert health.status == 200
         assert health.json()["models"]["causal-lm"]["in_flight"] == LIMIT
         gate.open.set()
         for first, stream in zip(firsts, admitted, strict=True):
