@@ -46,7 +46,7 @@ class SamplingFields(Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=0)] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

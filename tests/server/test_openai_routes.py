@@ -95,6 +95,7 @@ def test_a_stop_string_cuts_the_reply_and_finishes_with_stop(live: Live, tiny_fo
         ({"messages": MESSAGES, "temperature": 3.5}, "temperature"),
         ({"messages": MESSAGES, "top_p": "high"}, "top_p"),
         ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "seed": -1}, "seed"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",

@@ -124,3 +124,20 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(live: Live) -> None
         assert time.perf_counter() - left < 3.0, "the request outlived its client"
         time.sleep(0.01)
     assert served.admission.in_flight == 0
+
+
+def test_a_client_that_times_out_on_a_whole_reply_cancels_it_too(live: Live) -> None:
+    served = live.served()
+    engine = served.runtime.batching.engines["lm"]
+    with pytest.raises(openai.APITimeoutError):
+        live.client.with_options(timeout=1.0).chat.completions.create(
+            model="causal-lm",
+            messages=MESSAGES,
+            max_tokens=4000,
+            extra_body={"ignore_eos": True},
+        )
+    left = time.perf_counter()
+    while engine.blocks_in_use or served.runtime.conductor.active:
+        assert time.perf_counter() - left < 3.0, "the request outlived its client"
+        time.sleep(0.01)
+    assert served.admission.in_flight == 0
