@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
             max_concurrent=args.max_concurrent or DEFAULT_MAX_CONCURRENT,
             progress=lambda line: say(f"  {line}"),
         )
-    except (MstarError, ValueError, OSError) as exc:
+    except (MstarError, ValueError, TypeError, OSError) as exc:
         say(f"mstar serve: {exc}")
         return 2
     say(f"serving {', '.join(args.models)} at {url} once loaded (Ctrl-C stops)")

@@ -25,7 +25,12 @@ GENERATE_ROUTE = "/generate"
 
 
 async def generate(request: Request) -> Response:
-    """Run one request of any served model and stream its outputs."""
+    """Run one request of any served model and stream its outputs.
+
+    Raises:
+        APIError, msgspec.ValidationError: a bad body, unknown model or overload; the app
+            answers them as OpenAI-shaped errors (400, 404, 429).
+    """
     body = decode(await request.body(), GenerateRequest)
     state = server_state(request)
     served = state.models.get_or_404(body.model)

@@ -70,7 +70,12 @@ class _Shape:
 
 
 async def chat_completions(request: Request) -> Response:
-    """``POST /v1/chat/completions``: a conversation continued by a text model."""
+    """``POST /v1/chat/completions``: a conversation continued by a text model.
+
+    Raises:
+        APIError, msgspec.ValidationError: a bad body, unknown model or overload; the app
+            answers them as OpenAI-shaped errors (400, 404, 429).
+    """
     body = decode(await request.body(), ChatCompletionRequest)
     served = _served(request, body.model, needs="messages")
     inputs = _sampling_inputs(body, body.max_completion_tokens or body.max_tokens)
@@ -80,7 +85,12 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    """``POST /v1/completions``: a prompt continued as written."""
+    """``POST /v1/completions``: a prompt continued as written.
+
+    Raises:
+        APIError, msgspec.ValidationError: a bad body, unknown model or overload; the app
+            answers them as OpenAI-shaped errors (400, 404, 429).
+    """
     body = decode(await request.body(), CompletionRequest)
     served = _served(request, body.model, needs="prompt")
     inputs = _sampling_inputs(body, body.max_tokens)

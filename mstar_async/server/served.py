@@ -6,13 +6,16 @@ import inspect
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mstar_async.graph import Model
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import APIError
-from mstar_async.worker import BatchingLoop
+
+if TYPE_CHECKING:
+    from mstar_async.worker import BatchingLoop
 
 #: Requests one model serves at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT = 64
