@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 import socket
 import subprocess
@@ -71,6 +72,19 @@ def test_serve_prints_progress_answers_and_stops_on_ctrl_c(tiny_folder: Path) ->
         log = process.stderr.read()
     assert f"serving causal-lm at {url}" in log
     assert "loading causal-lm ..." in log and "ready: causal-lm" in log
+
+
+@pytest.mark.timeout(120)
+def test_serve_places_a_model_on_worker_processes() -> None:
+    placement = Path(__file__).resolve().parents[2] / "examples" / "placements" / "codec_split.yaml"
+    with mstar_serve("demo", "--placement", str(placement), ready_within=90) as (url, _):
+        reply = http("POST", f"{url}/generate", {"model": "demo", "inputs": {"max_codes": 8}})
+        metrics = http("GET", f"{url}/metrics").body.decode()
+    events = [e for e in reply.body.decode().split("\n\n") if e]
+    kinds = [json.loads(event[len("data: ") :])["type"] for event in events]
+    assert kinds[0] == "audio" and kinds[-2:] == ["image", "done"]
+    assert 'mstar_requests_total{model="demo",route="/generate",status="200"} 1.0' in metrics
+    assert "mstar_kv_blocks_in_use{" not in metrics  # the loops live in the workers
 
 
 def test_placement_options_name_their_model() -> None:
