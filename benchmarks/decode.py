@@ -66,6 +66,7 @@ from mstar_async.models.causal_lm import (
     build_lm_engine,
 )
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.outputs import TextDelta
 from mstar_async.runtime import Runtime, open_runtime
 
 __all__ = [
@@ -408,8 +409,9 @@ class _RuntimeSystem:
                 chat=False,
                 ignore_eos=True,
             ) as outputs:
-                async for _ in outputs:
-                    stamps[index].append(time.perf_counter())
+                async for item in outputs:
+                    if isinstance(item, TextDelta):  # not the closing TextEnd
+                        stamps[index].append(time.perf_counter())
 
         started = time.perf_counter()
         async with anyio.create_task_group() as tasks:

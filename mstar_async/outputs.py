@@ -15,6 +15,20 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class TextEnd:
+    """The last output of a text generation: token counts and why it stopped.
+
+    ``finish_reason`` is ``"stop"`` (a stop token or stop string) or ``"length"`` (the
+    request's ``max_tokens``). ``completion_tokens`` counts sampled tokens, the stop token
+    excluded.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class AudioChunk:
     """Mono PCM samples in [-1, 1] (float32), with their sample rate and speech segment."""
 

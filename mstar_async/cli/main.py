@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from mstar_async.cli.run import add_run_parser
+from mstar_async.cli.serve import add_serve_parser
 from mstar_async.logs import configure_logging
 from mstar_async.models import list_models
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(handler=_models)
     add_run_parser(sub)
     __import__("mstar_async.cli.bench", fromlist=["add_bench_parser"]).add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -27,7 +27,8 @@ from mstar_async.models.checkpoints import (
 )
 from mstar_async.models.llama import PagedDecoder
 from mstar_async.models.registry import register
-from mstar_async.outputs import TextDelta
+from mstar_async.models.stop_strings import StopStrings
+from mstar_async.outputs import TextDelta, TextEnd
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -69,6 +70,22 @@ def _until(stop_ids: frozenset[int]) -> Callable[[LoopStep], bool]:
     return until
 
 
+class _Text:
+    """Sampled tokens to emitted text: incremental detokenizing, then stop strings."""
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
+        self.detok = IncrementalDecoder(tokenizer)
+        self.stops = StopStrings(stop)
+        self.tokens = 0
+
+    def push(self, token: int) -> str:
+        self.tokens += 1
+        return self.stops.push(self.detok.push(token))
+
+    def finish(self) -> str:
+        return self.stops.push(self.detok.finish()) + self.stops.finish()
+
+
 def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
@@ -81,6 +98,7 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
         seed: int = 0,
         chat: bool = False,
         ignore_eos: bool = False,
+        stop: list[str] | None = None,
     ) -> AsyncGenerator[Any, None]:
         # A prompt is continued as written (a completion); messages, or chat=True, go through
         # the checkpoint's chat template (a chat completion).
@@ -99,23 +117,29 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
             stop_token_ids=stop_ids,
         )
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-        detok = IncrementalDecoder(tokenizer)
-        first = (await request.run("prefill", tokens=ids, sampling=sampling))["token"]
-        if int(first) in stop_ids:
+        out = _Text(tokenizer, stop or [])
+        reason = "length"
+        first = int((await request.run("prefill", tokens=ids, sampling=sampling))["token"])
+        if first in stop_ids:
+            yield TextEnd(len(ids), 0, "stop")
             return
-        if delta := detok.push(int(first)):
+        if delta := out.push(first):
             yield TextDelta(delta)
-        if max_tokens > 1:
+        if max_tokens > 1 and not out.stops.stopped:
             params = {"max_tokens": max_tokens, "stop_ids": stop_ids}
             async with request.stream("decode", params=params) as tokens:
                 async for event in tokens:
                     token = int(event.value)
                     if token in stop_ids:
+                        reason = "stop"
                         break
-                    if delta := detok.push(token):
+                    if delta := out.push(token):
                         yield TextDelta(delta)
-        if tail := detok.finish():
+                    if out.stops.stopped:
+                        break
+        if tail := out.finish():
             yield TextDelta(tail)
+        yield TextEnd(len(ids), out.tokens, "stop" if out.stops.stopped else reason)
 
     return program
 

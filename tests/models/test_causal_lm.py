@@ -13,6 +13,7 @@ import torch
 from mstar_async.errors import KVCacheFull, RequestError
 from mstar_async.models.causal_lm import build_causal_lm
 from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.outputs import TextDelta, TextEnd
 from mstar_async.runtime import open_runtime
 from tests.requests import collect_text
 
@@ -96,7 +97,8 @@ async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(
                 text = []
                 async for item in outputs:
                     short_started.set()
-                    text.append(item.text)
+                    if isinstance(item, TextDelta):
+                        text.append(item.text)
             results["short"] = "".join(text)
 
         async def long() -> None:
@@ -203,3 +205,27 @@ def test_torch_compile_option_leaves_outputs_unchanged(tiny_folder: Path) -> Non
 
     expected, got = anyio.run(both)
     assert got == expected and len(expected) > 0
+
+
+@pytest.mark.anyio
+async def test_text_end_counts_tokens_and_says_why_it_stopped(tiny_folder: Path) -> None:
+    model = build_causal_lm(tiny_folder, dtype="float32")
+    tokenizer = ChatTokenizer.from_folder(tiny_folder)
+    async with open_runtime(model) as runtime:
+        async with runtime.generate(prompt=PROMPTS[0], max_tokens=7, ignore_eos=True) as out:
+            items = [item async for item in out]
+        full = "".join(i.text for i in items if isinstance(i, TextDelta))
+        assert items[-1] == TextEnd(len(tokenizer.encode(PROMPTS[0])), 7, "length")
+        assert all(isinstance(i, TextDelta) for i in items[:-1])
+        # A stop string cuts the text just before it and ends the request early.
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        async with runtime.generate(
+            prompt=PROMPTS[0], max_tokens=7, ignore_eos=True, stop=[stop]
+        ) as out:
+            items = [item async for item in out]
+        cut = "".join(i.text for i in items if isinstance(i, TextDelta))
+        assert cut == full[: full.index(stop)]
+        end = items[-1]
+        assert isinstance(end, TextEnd) and end.finish_reason == "stop"
+        assert end.completion_tokens < 7
+        assert runtime.batching.engines["lm"].blocks_in_use == 0

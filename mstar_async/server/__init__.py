@@ -1,0 +1,25 @@
+"""HTTP serving: an ASGI app with OpenAI-compatible text routes and a native streaming route.
+
+    create_app([ModelSpec(build_model("causal-lm"))], max_concurrent=64)  ->  Starlette app
+    await serve(app, host="127.0.0.1", port=8000)                         ->  uvicorn, this loop
+
+Routes (see docs/http.md): ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``.
+"""
+
+from __future__ import annotations
+
+from mstar_async.server.app import ROUTE_MODULES, create_app
+from mstar_async.server.errors import APIError
+from mstar_async.server.run import serve
+from mstar_async.server.served import DEFAULT_MAX_CONCURRENT, ModelSpec, ServedModel
+
+__all__ = [
+    "DEFAULT_MAX_CONCURRENT",
+    "ROUTE_MODULES",
+    "APIError",
+    "ModelSpec",
+    "ServedModel",
+    "create_app",
+    "serve",
+]

@@ -1,0 +1,102 @@
+"""The ASGI app: routes from small modules, models opened for the app's lifetime.
+
+A route module exposes ``routes() -> list[Route]`` and reaches the served models through
+``server_state(request)``; serving a new kind of output (speech) is one more module in
+``ROUTE_MODULES``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from mstar_async.logs import get_logger
+from mstar_async.runtime import open_runtime
+from mstar_async.server import admin, generate, openai_text
+from mstar_async.server.admission import Admission
+from mstar_async.server.errors import (
+    APIError,
+    handle_api_error,
+    handle_http_exception,
+    handle_unexpected,
+    handle_validation_error,
+)
+from mstar_async.server.served import DEFAULT_MAX_CONCURRENT, ModelSpec, ServedModel
+from mstar_async.server.state import ServerState
+
+log = get_logger("mstar_async.server")
+
+#: Every route module the app mounts, in order.
+ROUTE_MODULES: tuple[Callable[[], list[Route]], ...] = (
+    admin.routes,
+    openai_text.routes,
+    generate.routes,
+)
+
+
+def create_app(
+    models: Sequence[ModelSpec],
+    *,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    progress: Callable[[str], None] | None = None,
+) -> Starlette:
+    """An ASGI app serving ``models``; each is opened (``open_runtime``) when the app starts
+    and closed when it stops, in the host's event loop.
+
+    ``max_concurrent`` bounds the in-flight requests of each model that sets no bound of its
+    own; past it the app answers 429. ``progress`` receives a line as each model loads.
+
+    Raises:
+        ValueError: no models, two under one name, or a bound below 1.
+    """
+    if not models:
+        raise ValueError("serve at least one model")
+    names = [spec.served_name for spec in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two models share a name in {names}: give one ModelSpec(name=...)")
+    limits = {spec.served_name: spec.max_concurrent or max_concurrent for spec in models}
+    for name, limit in limits.items():
+        if limit < 1:
+            raise ValueError(f"max_concurrent of {name!r} must be >= 1, got {limit}")
+    state = ServerState()
+    say = progress or (lambda line: None)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for spec in models:
+                name = spec.served_name
+                say(f"loading {name} ...")
+                started = time.perf_counter()
+                runtime = await stack.enter_async_context(
+                    open_runtime(spec.model, placement=spec.placement)
+                )
+                state.models.add(ServedModel(name, runtime, Admission(limits[name])))
+                say(f"{name} ready in {time.perf_counter() - started:.1f} s")
+                log.info("server.model_ready", model=name)
+            state.ready = True
+            say(f"ready: {', '.join(state.models)}")
+            try:
+                yield
+            finally:
+                state.ready = False
+
+    app = Starlette(
+        routes=[route for module in ROUTE_MODULES for route in module()],
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: handle_api_error,
+            msgspec.ValidationError: handle_validation_error,
+            msgspec.DecodeError: handle_validation_error,
+            HTTPException: handle_http_exception,
+            Exception: handle_unexpected,
+        },
+    )
+    app.state.server = state
+    return app

@@ -1,0 +1,89 @@
+"""Request bodies, validated by msgspec: a bad field becomes a 400 naming it.
+
+Unknown fields are ignored (clients send extensions freely); fields the server cannot honour
+are declared and refused explicitly (``n`` other than 1).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    """One message of a conversation."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct):
+    """``include_usage``: send a last chunk carrying the token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields shared by chat completions and completions."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    seed: Annotated[int, Meta(ge=0)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: PositiveInt = 1
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str]
+
+
+class GenerateRequest(Struct, kw_only=True):
+    """``POST /generate``: the model's program inputs, as they are."""
+
+    model: str
+    inputs: dict[str, Any] = msgspec.field(default_factory=dict)
+    format: Literal["sse", "ndjson"] = "sse"
+
+
+T = TypeVar("T")
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """``body`` as a ``kind``.
+
+    Raises:
+        msgspec.ValidationError, msgspec.DecodeError: the body does not fit (the app answers
+            400 naming the field).
+    """
+    return msgspec.json.decode(body or b"{}", type=kind)

