@@ -1,0 +1,223 @@
+"""Workers that join over plain TCP (``mstar worker``) as a user would start them on other hosts.
+
+Every worker here is a separate ``python -m mstar_async.cli worker`` process on 127.0.0.1, not a
+child the runtime started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+
+from mstar_async.errors import RequestError, WorkerLost
+from mstar_async.models import build_model
+from mstar_async.placement import Placement
+from mstar_async.runtime import open_runtime
+from mstar_async.worker.control import Join, Welcome, decode_control, encode_control
+from mstar_async.worker.join import CONDUCTOR_LOST, JOIN_FAILED, run_remote_worker
+from mstar_async.worker.main import WorkerConfig
+from mstar_async.worker.remote import RemoteLauncher
+from tests.worker.test_processes import EXAMPLES, assert_same, run_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+INPUTS = {"text": "over plain tcp", "max_codes": 16, "steps": 2, "seed": 3}
+CODEC_SPLIT = Placement.from_yaml(EXAMPLES / "codec_split.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+class Workers:
+    """``mstar worker`` processes, their stderr kept in files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, port: int, rank: int) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "mstar_async.cli", "worker"]
+        command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank", str(rank)]
+        with open(self.folder / f"rank{rank}.err", "wb") as err:
+            proc = subprocess.Popen(command + ["--threads", "1"], cwd=ROOT, stderr=err)
+        self.procs[rank] = proc
+        return proc
+
+    def stderr(self, rank: int) -> str:
+        return (self.folder / f"rank{rank}.err").read_text()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    started = Workers(tmp_path)
+    yield started
+    started.stop()
+
+
+async def in_process() -> list[Any]:
+    async with open_runtime(build_model("demo")) as runtime:
+        return await run_demo(runtime, **INPUTS)
+
+
+def launcher(port: int, **options: Any) -> RemoteLauncher:
+    options.setdefault("heartbeat", 0.2)
+    options.setdefault("timeout", 2.0)
+    return RemoteLauncher(f"tcp://127.0.0.1:{port}", data_port=0, **options)
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_joined_workers_give_in_process_answers_and_exit_on_close(
+    workers: Workers,
+) -> None:
+    expected = await in_process()
+    port = free_port()
+    # Started before the runtime listens: they keep asking until it answers.
+    procs = [workers.start(port, rank) for rank in (0, 1)]
+    async with open_runtime(
+        build_model("demo"), placement=CODEC_SPLIT, launcher=launcher(port)
+    ) as runtime:
+        pool = runtime.pool
+        assert pool is not None
+        assert pool.endpoint.startswith("tcp://127.0.0.1:")
+        assert [pool.pid(0), pool.pid(1)] == [p.pid for p in procs]
+        assert_same(await run_demo(runtime, **INPUTS), expected)
+    for rank, proc in enumerate(procs):
+        assert proc.wait(timeout=10) == 0, workers.stderr(rank)
+        assert "exiting with status 0" in workers.stderr(rank)
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_a_killed_worker_is_worker_lost_naming_its_rank(workers: Workers) -> None:
+    port = free_port()
+    procs = [workers.start(port, rank) for rank in (0, 1)]
+    async with open_runtime(
+        build_model("demo"), placement=CODEC_SPLIT, launcher=launcher(port)
+    ) as runtime:
+        await run_demo(runtime, **INPUTS)
+
+        async def long_request() -> BaseException | None:
+            try:
+                await run_demo(runtime, text="long", max_codes=4000, steps=2)
+            except RequestError as exc:
+                return exc
+            return None
+
+        failures: list[BaseException | None] = []
+
+        async def run_and_keep() -> None:
+            failures.append(await long_request())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_and_keep)
+            await anyio.sleep(0.5)
+            os.kill(procs[1].pid, signal.SIGKILL)
+        [failure] = failures
+        assert isinstance(failure, RequestError)
+        lost = failure.__cause__
+        assert isinstance(lost, WorkerLost)
+        assert "worker rank 1" in str(lost) and "sent no heartbeat" in str(lost)
+        # Nothing restarts it: the rank stays down, and says why.
+        with pytest.raises(RequestError) as later:
+            await run_demo(runtime, **INPUTS)
+        assert isinstance(later.value.__cause__, WorkerLost)
+        assert "rank 1 is down" in str(later.value.__cause__)
+        assert "not restarted" in str(later.value.__cause__)
+    assert procs[0].wait(timeout=10) == 0, workers.stderr(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_conductor_goes_silent_exits(workers: Workers) -> None:
+    port = free_port()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    conductor = ctx.socket(zmq.ROUTER)
+    conductor.setsockopt(zmq.LINGER, 0)
+    conductor.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        proc = workers.start(port, 1)
+        assert conductor.poll(30_000), workers.stderr(1)
+        identity, frame = conductor.recv_multipart()
+        join = decode_control(frame)
+        assert isinstance(join, Join) and join.rank == 1 and join.pid == proc.pid
+        config = WorkerConfig(1, 1, "", build_model("demo").source.to_dict(), ["codec"], 0)  # type: ignore[union-attr]
+        welcome = Welcome(config.__dict__, data_port=free_port(), heartbeat=0.1, timeout=1.0)
+        conductor.send_multipart([identity, encode_control(welcome)])
+        # ... and then never answers a heartbeat, as a conductor whose host died.
+        assert proc.wait(timeout=30) == CONDUCTOR_LOST
+        assert "no answer from the runtime" in workers.stderr(1)
+    finally:
+        conductor.close()
+        ctx.term()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_worker_for_a_rank_that_is_not_remote_is_refused() -> None:
+    remote = RemoteLauncher("tcp://127.0.0.1:0", ranks=[1])
+    await remote.open()
+    try:
+        code = await anyio.to_thread.run_sync(
+            lambda: run_remote_worker(remote.address, 0, join_timeout=10)
+        )
+    finally:
+        await remote.aclose()
+    assert code == JOIN_FAILED
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_rank_nobody_joins_fails_the_start_naming_it_and_the_command() -> None:
+    port = free_port()
+    with pytest.raises(WorkerLost) as failed:
+        async with open_runtime(
+            build_model("demo"),
+            placement=CODEC_SPLIT,
+            launcher=launcher(port, ranks=[1], join_timeout=1.0),
+        ):
+            pass
+    message = str(failed.value)
+    assert "worker rank 1" in message
+    assert f"--conductor tcp://127.0.0.1:{port} --rank 1" in message
+
+
+def test_placement_hosts_pick_the_remote_ranks() -> None:
+    placement = Placement(
+        nodes={"codec": [1, 2]}, hosts={0: "127.0.0.1", 1: "localhost", 2: "10.255.0.7"}
+    )
+    remote = RemoteLauncher.for_placement(placement, "tcp://0.0.0.0:0")
+    assert [remote.is_remote(rank) for rank in range(3)] == [False, False, True]
+    assert remote.hosts == {2: "10.255.0.7"}
+    assert RemoteLauncher().is_remote(7)  # without ranks: every rank joins
+
+
+def test_bad_addresses_and_timings_are_refused() -> None:
+    with pytest.raises(Exception, match="tcp://HOST:PORT"):
+        RemoteLauncher("10.0.0.1")
+    with pytest.raises(ValueError, match="longer than heartbeat"):
+        RemoteLauncher(heartbeat=2.0, timeout=1.0)
+    with pytest.raises(ValueError, match="names no host"):
+        run_remote_worker("tcp://:5555", 0)
