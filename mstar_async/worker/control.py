@@ -18,7 +18,6 @@ Either side that hears nothing from the other for ``timeout`` seconds treats it 
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from typing import Any
 
@@ -131,20 +130,19 @@ def split_tcp(address: str, *, default_host: str = "0.0.0.0") -> tuple[str, int]
 
 
 def is_this_host(host: str) -> bool:
-    """Whether ``host`` (a name or an address) names this machine: loopback, ``localhost``,
-    this host's name, or an address its name resolves to. Never raises; blocks on a DNS
-    lookup of this host's own name."""
-    bare = host.strip("[]")
+    """Whether ``host`` (a name or an address) is this machine: one of its addresses binds
+    here. Binding, rather than comparing with what this host's name resolves to, also finds
+    the LAN address of a host whose name resolves to 127.0.1.1 only. Never raises; blocks on
+    a DNS lookup of ``host``."""
     try:
-        if ipaddress.ip_address(bare).is_loopback:
-            return True
-    except ValueError:
-        pass
-    names = {"localhost", socket.gethostname(), socket.getfqdn()}
-    if bare in names:
-        return True
-    try:
-        _, _, addresses = socket.gethostbyname_ex(socket.gethostname())
-    except OSError:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
         return False
-    return bare in addresses
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0))
+        except OSError:
+            continue
+        return True
+    return False

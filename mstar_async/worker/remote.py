@@ -188,7 +188,7 @@ class RemoteLauncher:
         self._workers: dict[int, RemoteWorker] = {}
         self._outbox: collections.deque[tuple[bytes, ControlMessage]] = collections.deque()
         self._local_opened = False
-        self._public = ""
+        self._port = 0
         self._data_port = 0
 
     @classmethod
@@ -211,8 +211,11 @@ class RemoteLauncher:
 
     def command(self, rank: int) -> str:
         """The command that serves ``rank`` from another host. Never raises."""
-        host = self._public or f"{self.listen_host}:{self.listen_port}"
-        return f"mstar worker --conductor tcp://{host} --rank {rank}"
+        host = self.listen_host
+        if host in ("0.0.0.0", "*", "[::]"):
+            host = socket.gethostname()  # listening everywhere: name the host itself
+        port = self._port or self.listen_port
+        return f"mstar worker --conductor tcp://{host}:{port} --rank {rank}"
 
     # ------------------------------------------------------------------ Launcher
 
@@ -242,8 +245,7 @@ class RemoteLauncher:
             ) from exc
         self._sock = sock
         self.address = f"tcp://{self.listen_host}:{port}"
-        wildcard = self.listen_host in ("0.0.0.0", "*", "[::]")
-        self._public = f"{socket.gethostname() if wildcard else self.listen_host}:{port}"
+        self._port = port
         self._stopping.clear()
         self._thread = threading.Thread(target=self._serve, name="mstar-remote-control")
         self._thread.start()
@@ -284,7 +286,7 @@ class RemoteLauncher:
         with self._lock:
             self._workers[config.rank] = worker
         worker.last_seen = time.monotonic()  # the join deadline counts from here
-        log.warning("remote.waiting", rank=config.rank, host=host, command=worker.command)
+        log.info("remote.waiting", rank=config.rank, host=host, command=worker.command)
         return worker
 
     async def aclose(self) -> None:
@@ -454,6 +456,9 @@ def _port_of(endpoint: str) -> int:
 def _same_host(expected: str, peer: str) -> bool:
     try:
         infos = socket.getaddrinfo(expected.strip("[]"), None)
-    except OSError:
+    except (OSError, UnicodeError):
         return False
-    return peer in {info[4][0] for info in infos} or (is_this_host(expected) and is_this_host(peer))
+    if peer in {info[4][0] for info in infos}:
+        return True
+    # A worker on the conductor's own host may come in over loopback.
+    return is_this_host(expected) and is_this_host(peer)

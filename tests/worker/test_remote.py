@@ -53,7 +53,7 @@ class Workers:
         command = [sys.executable, "-m", "mstar_async.cli", "worker"]
         command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank", str(rank)]
         with open(self.folder / f"rank{rank}.err", "wb") as err:
-            proc = subprocess.Popen(command + ["--threads", "1"], cwd=ROOT, stderr=err)
+            proc = subprocess.Popen([*command, "--threads", "1"], cwd=ROOT, stderr=err)
         self.procs[rank] = proc
         return proc
 
