@@ -19,7 +19,7 @@ from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_t
 MESSAGES = ("ping", "step")
 # The first test runs the whole quick benchmark (five runtimes, eight worker processes):
 # about 30 s on two idle cores, several times that on a loaded machine.
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
 
 # Module scope: the benchmark runs once for every test here. run_transport is synchronous and
