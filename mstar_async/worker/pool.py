@@ -34,6 +34,7 @@ from mstar_async.transport import (
     StepRequest,
     TransportError,
     ZmqHub,
+    encode_message,
 )
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
@@ -282,7 +283,8 @@ class WorkerPool:
         Cancel-safe: a cancelled step's reply is dropped when it comes.
 
         Raises:
-            WorkerLost: the worker died with the step in flight (or while restarting).
+            WorkerLost: the worker died with the step in flight (or while restarting), or its
+                connection is gone.
             MstarError: what the step raised on the worker (its class kept where known).
         """
         state = self.ranks[rank]
@@ -296,7 +298,13 @@ class WorkerPool:
         waiter = _Waiter()
         state.in_flight[step_id] = waiter
         try:
-            await self._server.send(state.identity, StepRequest.from_call(step_id, call))
+            frames = encode_message(StepRequest.from_call(step_id, call))
+            try:
+                await self._server.send_frames(state.identity, frames)
+            except TransportError as exc:
+                # The worker's connection is gone before its end is known (a remote worker is
+                # known lost only when its heartbeats stop): it is lost for this step too.
+                raise WorkerLost(f"worker rank {rank} is unreachable: {exc}") from exc
             await waiter.done.wait()
         finally:
             state.in_flight.pop(step_id, None)
