@@ -16,6 +16,7 @@ SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -69,7 +70,10 @@ def _join(
     while join_timeout is None or time.monotonic() - started < join_timeout:
         now = time.monotonic()
         if now >= next_send:
-            sock.send(encode_control(join), zmq.NOBLOCK)
+            try:
+                sock.send(encode_control(join), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # not connected yet (IMMEDIATE): the next resend goes when it is
             next_send = now + _RESEND_S
         if now >= next_notice:
             _say(f"rank {join.rank}: waiting for the runtime at {conductor}")
@@ -154,6 +158,8 @@ def run_remote_worker(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # Queue nothing while unconnected: resent joins would pile up and arrive all at once.
+    sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.connect(where)
     nonce = uuid.uuid4().hex
     try:
@@ -165,11 +171,12 @@ def run_remote_worker(
         if isinstance(answer, Refuse):
             _say(f"rank {rank} refused by the runtime at {where}: {answer.reason}")
             return JOIN_FAILED
+        offered = WorkerConfig(**answer.config)
         config = replace(
-            WorkerConfig(**answer.config),
+            offered,
             endpoint=f"tcp://{answer.data_host or host}:{answer.data_port}",
             parent_pid=0,  # no parent to follow across hosts: the heartbeat does that job
-            threads=threads or WorkerConfig(**answer.config).threads,
+            threads=threads or offered.threads,
             log_level=log_level,
         )
         _say(f"rank {rank}: joined {where}; building engines {config.engines}")
@@ -178,7 +185,8 @@ def run_remote_worker(
         code = _serve(config)
         beats.stop()
         sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye out before the socket closes
-        sock.send(encode_control(Bye(nonce, code)), zmq.NOBLOCK)
+        with contextlib.suppress(zmq.Again):  # no connection left: the runtime's timeout tells
+            sock.send(encode_control(Bye(nonce, code)), zmq.NOBLOCK)
         _say(f"rank {rank}: exiting with status {code}")
         return code
     finally:

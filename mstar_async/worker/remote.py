@@ -229,6 +229,8 @@ class RemoteLauncher:
         """
         if self._thread is not None:
             raise MstarError("RemoteLauncher serves one runtime at a time; it is already open")
+        self._workers = {}  # a launcher reopened for another runtime starts afresh
+        self._outbox.clear()
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -283,9 +285,9 @@ class RemoteLauncher:
         # A remote worker has no parent here to watch (0 turns the watchdog off); it exits
         # when heartbeats stop instead.
         worker = RemoteWorker(replace(config, parent_pid=0), self.command(config.rank), host)
+        worker.last_seen = time.monotonic()  # the join deadline counts from here
         with self._lock:
             self._workers[config.rank] = worker
-        worker.last_seen = time.monotonic()  # the join deadline counts from here
         log.info("remote.waiting", rank=config.rank, host=host, command=worker.command)
         return worker
 
