@@ -18,13 +18,25 @@ from typing import Any
 import anyio
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
-from mstar_async.errors import RequestError, WorkerLost
+from mstar_async.errors import MstarError, RequestError, WorkerLost
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
-from mstar_async.worker.control import Join, Welcome, decode_control, encode_control
+from mstar_async.worker.control import (
+    Beat,
+    Bye,
+    Join,
+    Refuse,
+    Stop,
+    Welcome,
+    decode_control,
+    encode_control,
+    split_tcp,
+)
 from mstar_async.worker.join import CONDUCTOR_LOST, JOIN_FAILED, run_remote_worker
 from mstar_async.worker.main import WorkerConfig
 from mstar_async.worker.remote import RemoteLauncher
@@ -207,9 +219,40 @@ def test_placement_hosts_pick_the_remote_ranks() -> None:
 
 
 def test_bad_addresses_and_timings_are_refused() -> None:
-    with pytest.raises(Exception, match="tcp://HOST:PORT"):
+    with pytest.raises(MstarError, match="tcp://HOST:PORT"):
         RemoteLauncher("10.0.0.1")
     with pytest.raises(ValueError, match="longer than heartbeat"):
         RemoteLauncher(heartbeat=2.0, timeout=1.0)
     with pytest.raises(ValueError, match="names no host"):
         run_remote_worker("tcp://:5555", 0)
+
+
+texts = st.text(max_size=40)
+
+
+@given(
+    st.one_of(
+        st.builds(Join, st.integers(0, 1 << 20), texts, st.integers(1, 1 << 22), texts),
+        st.builds(Beat, texts),
+        st.builds(Bye, texts, st.integers(-255, 255)),
+        st.builds(Refuse, texts),
+        st.builds(Stop, texts),
+    )
+)
+def test_control_messages_round_trip(message: Any) -> None:
+    assert decode_control(encode_control(message)) == message
+
+
+@pytest.mark.parametrize("frame", [b"", b"not json", b'{"type": "nope"}', b"[1, 2]"])
+def test_a_stray_frame_on_the_control_port_is_ignored(frame: bytes) -> None:
+    assert decode_control(frame) is None
+
+
+def test_tcp_addresses() -> None:
+    assert split_tcp("tcp://10.0.0.1:5555") == ("10.0.0.1", 5555)
+    assert split_tcp("node-3:7000") == ("node-3", 7000)
+    assert split_tcp(":0") == ("0.0.0.0", 0)
+    assert split_tcp("tcp://[fd00::2]:5555") == ("[fd00::2]", 5555)
+    for bad in ("10.0.0.1", "tcp://host:", "host:99999", "host:port"):
+        with pytest.raises(MstarError, match="not a TCP address"):
+            split_tcp(bad)
