@@ -77,3 +77,5 @@ def _worker(args: argparse.Namespace, _: list[str]) -> int:
     except (MstarError, ValueError) as exc:
         print(f"mstar worker: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before it joined: nothing to say goodbye to
+        return 130
