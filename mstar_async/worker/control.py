@@ -81,10 +81,12 @@ class Beat(msgspec.Struct, tag="beat", frozen=True):
 
 
 class Bye(msgspec.Struct, tag="bye", frozen=True):
-    """The worker is ending with exit status ``code``."""
+    """The worker is ending with exit status ``code``; ``error`` is the exception that ended
+    it, if one did (e.g. a checkpoint missing on its host)."""
 
     nonce: str
     code: int
+    error: str = ""
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):

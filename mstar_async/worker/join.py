@@ -182,11 +182,11 @@ def run_remote_worker(
         _say(f"rank {rank}: joined {where}; building engines {config.engines}")
         beats = _Heartbeat(sock, nonce, answer, where)
         beats.start()
-        code = _serve(config)
+        code, error = _serve(config)
         beats.stop()
         sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye out before the socket closes
         with contextlib.suppress(zmq.Again):  # no connection left: the runtime's timeout tells
-            sock.send(encode_control(Bye(nonce, code)), zmq.NOBLOCK)
+            sock.send(encode_control(Bye(nonce, code, error)), zmq.NOBLOCK)
         _say(f"rank {rank}: exiting with status {code}")
         return code
     finally:
@@ -194,18 +194,18 @@ def run_remote_worker(
         ctx.term()
 
 
-def _serve(config: WorkerConfig) -> int:
+def _serve(config: WorkerConfig) -> tuple[int, str]:
     # SIGTERM (a supervisor stopping the worker) ends it like Ctrl-C: it says goodbye, so the
     # runtime knows at once instead of after a heartbeat timeout.
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
     try:
-        return run_worker(config)
+        return run_worker(config), ""
     except KeyboardInterrupt:
-        return _INTERRUPTED
-    except Exception:
+        return _INTERRUPTED, "interrupted (Ctrl-C or SIGTERM)"
+    except Exception as exc:
         _say(f"rank {config.rank} failed:\n{traceback.format_exc()}")
-        return 1
+        return 1, f"{type(exc).__name__}: {exc}"
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)

@@ -413,7 +413,8 @@ class RemoteLauncher:
         with self._lock:
             for worker in self._workers.values():
                 if worker.nonce == bye.nonce:
-                    worker.end(bye.code, f"its worker exited with status {bye.code}")
+                    why = f": {bye.error}" if bye.error else ""
+                    worker.end(bye.code, f"its worker exited with status {bye.code}{why}")
 
     def _check_deadlines(self, now: float) -> None:
         with self._lock:

@@ -40,6 +40,7 @@ from mstar_async.worker.control import (
 from mstar_async.worker.join import CONDUCTOR_LOST, JOIN_FAILED, run_remote_worker
 from mstar_async.worker.main import WorkerConfig
 from mstar_async.worker.remote import RemoteLauncher
+from tests.worker.models import build_demo_needing_a_checkpoint
 from tests.worker.test_processes import EXAMPLES, assert_same, run_demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,11 +63,18 @@ class Workers:
         self.folder = folder
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
-    def start(self, port: int, rank: int) -> subprocess.Popen[bytes]:
+    def start(
+        self, port: int, rank: int, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "mstar_async.cli", "worker"]
         command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank", str(rank)]
         with open(self.folder / f"rank{rank}.err", "wb") as err:
-            proc = subprocess.Popen([*command, "--threads", "1"], cwd=ROOT, stderr=err)
+            proc = subprocess.Popen(
+                [*command, "--threads", "1"],
+                cwd=ROOT,
+                stderr=err,
+                env={**os.environ, **(env or {})},
+            )
         self.procs[rank] = proc
         return proc
 
@@ -206,6 +214,27 @@ async def test_a_rank_nobody_joins_fails_the_start_naming_it_and_the_command() -
     message = str(failed.value)
     assert "worker rank 1" in message
     assert f"--conductor tcp://127.0.0.1:{port} --rank 1" in message
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_worker_that_cannot_build_its_model_fails_the_start_with_its_error(
+    workers: Workers,
+) -> None:
+    port = free_port()
+    proc = workers.start(port, 1, env={"MSTAR_TEST_NO_CHECKPOINT": "1"})
+    with pytest.raises(WorkerLost) as failed:
+        async with open_runtime(
+            build_demo_needing_a_checkpoint(),
+            placement=CODEC_SPLIT,
+            launcher=launcher(port, ranks=[1]),
+        ):
+            pass
+    message = str(failed.value)
+    assert "worker rank 1 exited before it was ready" in message
+    assert "FileNotFoundError: no checkpoint folder /models/demo on this host" in message
+    assert proc.wait(timeout=10) == 1
 
 
 def test_placement_hosts_pick_the_remote_ranks() -> None:
