@@ -67,6 +67,7 @@ def _join(
     """Ask until answered; None when ``join_timeout`` passes first."""
     started = time.monotonic()
     next_send = next_notice = started
+    pause = _POLL_MS / 1000  # doubling up to _RESEND_S: quick while the connection comes up
     while join_timeout is None or time.monotonic() - started < join_timeout:
         now = time.monotonic()
         if now >= next_send:
@@ -74,7 +75,8 @@ def _join(
                 sock.send(encode_control(join), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # not connected yet (IMMEDIATE): the next resend goes when it is
-            next_send = now + _RESEND_S
+            next_send = now + pause
+            pause = min(2 * pause, _RESEND_S)
         if now >= next_notice:
             _say(f"rank {join.rank}: waiting for the runtime at {conductor}")
             next_notice = now + _NOTICE_S

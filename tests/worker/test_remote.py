@@ -187,7 +187,9 @@ def test_a_worker_whose_conductor_goes_silent_exits(workers: Workers) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_a_worker_for_a_rank_that_is_not_remote_is_refused() -> None:
+async def test_a_worker_for_a_rank_that_is_not_remote_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     remote = RemoteLauncher("tcp://127.0.0.1:0", ranks=[1])
     await remote.open()
     try:
@@ -197,6 +199,9 @@ async def test_a_worker_for_a_rank_that_is_not_remote_is_refused() -> None:
     finally:
         await remote.aclose()
     assert code == JOIN_FAILED
+    assert "rank 0 is not a remote rank of this runtime (remote ranks: [1])" in (
+        capsys.readouterr().err
+    )
 
 
 @ONE_LOOP
