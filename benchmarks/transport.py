@@ -23,9 +23,10 @@ Three measurements in one run, all on this machine:
    loopback by ``mstar worker`` processes (``RemoteLauncher``), as workers on other hosts
    would. Measured: time to first audio (the first ``AudioChunk``), time to the last audio
    chunk (the speech's end-to-end latency) and total request time, p50 over a few requests
-   after one warm-up request, plus each runtime's startup time. All runtimes stay open
-   together and take requests in turn (the order reversed every round), so their figures
-   share the machine's state.
+   after one warm-up request, plus each runtime's startup time (in quick mode the runtimes
+   open all at once, so their startups overlap and each is longer than alone). All runtimes
+   stay open together and take requests in turn (the order reversed every round), so their
+   figures share the machine's state.
 
 Why ``copy_`` is the baseline for tensors: it is the cost of moving the bytes once, with no
 allocator in it. ``clone`` adds a fresh allocation whose pages fault in on first touch, which
@@ -76,11 +77,13 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
+from anyio.abc import TaskStatus
 
 from benchmarks.common import ProgressLog, machine_info, quiet, ratio_table, summarize
 from mstar_async.models import build_model
@@ -364,22 +367,63 @@ async def _one_request(runtime: Runtime, work: _Workload) -> tuple[float, float,
     return first, last, total, chunks, seconds
 
 
+@contextlib.asynccontextmanager
+async def _open_all(
+    together: bool, progress: Progress
+) -> AsyncIterator[dict[str, tuple[Runtime, float]]]:
+    """Every placement's runtime and how long it took to open, open until the block exits.
+
+    Each runtime lives in a task of its own, so that with ``together`` they all start at once
+    (their worker processes' imports overlap) rather than one after another.
+    """
+    opened: dict[str, tuple[Runtime, float]] = {}
+    all_open = anyio.Event()
+    release = anyio.Event()
+
+    async def hold(name: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        progress(f"placement {name}: opening the runtime")
+        start = time.perf_counter()
+        async with _open(name) as runtime:
+            opened[name] = (runtime, time.perf_counter() - start)
+            progress(f"placement {name}: open in {opened[name][1]:.2f} s")
+            task_status.started()
+            if len(opened) == len(PLACEMENTS):
+                all_open.set()
+            await release.wait()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for name in PLACEMENTS:
+                if together:
+                    tg.start_soon(partial(hold, name))
+                else:
+                    await tg.start(partial(hold, name))
+            await all_open.wait()
+            try:
+                yield opened
+            finally:
+                release.set()
+    except BaseExceptionGroup as group:
+        # One failure (a runtime that did not open, a request that failed) is what callers
+        # catch, not the group the task group wraps it in.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
 async def _placements(work: _Workload, progress: Progress) -> list[dict[str, Any]]:
     startup: dict[str, float] = {}
     threads: dict[str, int] = {}
     runtimes: dict[str, Runtime] = {}
     measured = {name: _Requests([], [], []) for name in PLACEMENTS}
-    async with contextlib.AsyncExitStack() as stack:
+    async with _open_all(work.mode == "quick", progress) as opened:
         for name in PLACEMENTS:
-            progress(f"placement {name}: opening the runtime")
-            start = time.perf_counter()
-            runtimes[name] = await stack.enter_async_context(_open(name))
-            startup[name] = time.perf_counter() - start
+            runtimes[name], startup[name] = opened[name]
             pool = runtimes[name].pool
             # Torch threads per worker (in-process: this process's): on a small or busy
             # machine the thread count, not the transport, can dominate small forwards.
             threads[name] = torch.get_num_threads() if pool is None else pool.threads
-            progress(f"placement {name}: open in {startup[name]:.2f} s; warm-up request")
+            progress(f"placement {name}: warm-up request")
             await _one_request(runtimes[name], work)
         for index in range(work.requests):
             # One request per placement per round, order reversed every round: the runtimes
@@ -502,6 +546,10 @@ async def run_transport_async(
         "processes joined over loopback TCP (RemoteLauncher), as on other hosts; last audio "
         "is the end of the streamed speech, total adds the request's image walk",
     ]
+    if quick:
+        notes.append(
+            "quick mode: the placements' runtimes open concurrently, so startup_s overlaps"
+        )
     if quick:
         notes.append(
             f"quick mode: the large tensor is {_label(work.large)}, not 64 MB, so the "
