@@ -14,12 +14,19 @@ Three measurements in one run, all on this machine:
    ``torch.clone`` (allocates, as a receive does). In-process the runtime hands a ``StepCall``
    over as a Python object: that is timed through an anyio memory stream (no bytes move, the
    receiver gets the very tensor), and reported as effectively free.
-3. ``placements``: the ``demo`` model through ``open_runtime`` in-process (no placement), in
-   one worker process (``Placement.single()``) and with the codec split off to a second worker
-   (``Placement(nodes={"codec": 1})``): time to first audio (the first ``AudioChunk``) and
-   total request time, p50 over a few requests after one warm-up request, plus each runtime's
-   startup time. All three runtimes stay open together and take requests in turn (the order
-   reversed every round), so their figures share the machine's state.
+3. ``placements``: a streaming speech request of the ``demo`` model (its ``speak`` walk: the
+   GRU LM's ``DynamicLoop`` streams codes over a sliding-window edge into the codec, and the
+   program yields each window's PCM as an ``AudioChunk``; then its short image walk) through
+   ``open_runtime`` at each placement: in-process (no placement), one worker process
+   (``Placement.single()``), the codec split off to a second worker (``codec: 1``), the codec
+   on two replicas (``codec: [1, 2]``), and the codec split with both ranks joined over TCP on
+   loopback by ``mstar worker`` processes (``RemoteLauncher``), as workers on other hosts
+   would. Measured: time to first audio (the first ``AudioChunk``), time to the last audio
+   chunk (the speech's end-to-end latency) and total request time, p50 over a few requests
+   after one warm-up request, plus each runtime's startup time (in quick mode the runtimes
+   open all at once, so their startups overlap and each is longer than alone). All runtimes
+   stay open together and take requests in turn (the order reversed every round), so their
+   figures share the machine's state.
 
 Why ``copy_`` is the baseline for tensors: it is the cost of moving the bytes once, with no
 allocator in it. ``clone`` adds a fresh allocation whose pages fault in on first touch, which
@@ -44,11 +51,13 @@ Result (a JSON-ready dict)::
       "throughput": [{"size_bytes": int, "label": "64 MB",
                       "systems": {"copy": T, "clone": T, "ipc": T, "tcp": T, "inproc": T},
                       "ratios": {"ipc/copy": S, "ipc/clone": S, "tcp/copy": S}}, ...],
-      "placements": [{"placement": "in-process" | "single" | "codec-split",
-                      "spec": dict | None, "processes": int, "torch_threads": int,
-                      "startup_s": float,
-                      "requests": int, "ttfa_ms": S, "total_ms": S,
-                      "ttfa_ms_samples": [...], "total_ms_samples": [...],
+      "placements": [{"placement": one of PLACEMENTS, "spec": dict | None,
+                      "processes": int, "transport": "inproc" | "ipc" | "tcp",
+                      "launcher": "none" | "local" | "remote", "torch_threads": int,
+                      "startup_s": float, "requests": int,
+                      "ttfa_ms": S, "last_audio_ms": S, "total_ms": S,
+                      "ttfa_ms_samples": [...], "last_audio_ms_samples": [...],
+                      "total_ms_samples": [...],
                       "audio_chunks": int, "audio_seconds": float}, ...],
       "aims": [{"aim": str, "measured": float, "target": float, "met": bool}, ...],
       "seconds_total": float,
@@ -62,13 +71,19 @@ and ``T`` is ``{"gb_per_s": S, "ms": S}`` plus ``"zero_copy_recv": bool`` for ip
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
+from anyio.abc import TaskStatus
 
 from benchmarks.common import ProgressLog, machine_info, quiet, ratio_table, summarize
 from mstar_async.models import build_model
@@ -83,6 +98,7 @@ from mstar_async.transport._measure import (
     measure_raw_latency,
     measure_throughput,
 )
+from mstar_async.worker.remote import RemoteLauncher
 
 __all__ = [
     "LATENCY_TARGET",
@@ -100,7 +116,10 @@ Progress = Callable[[str], None]
 TRANSPORTS = ("ipc", "tcp")
 
 #: The placements of the end-to-end measurement, by the names the result uses.
-PLACEMENTS = ("in-process", "single", "codec-split")
+PLACEMENTS = ("in-process", "single", "codec-split", "replicas", "codec-split-tcp")
+
+#: The source checkout, where joined workers (``python -m mstar_async.cli worker``) run.
+_ROOT = Path(__file__).resolve().parents[1]
 
 #: Aim: our small-message round trip at most this many times raw pyzmq's.
 LATENCY_TARGET = 1.5
@@ -255,7 +274,61 @@ def _placement(name: str) -> Placement | None:
         return None
     if name == "single":
         return Placement.single()
+    if name == "replicas":
+        return Placement(nodes={"codec": [1, 2]})
     return Placement(nodes={"codec": 1})
+
+
+def _transport(name: str) -> str:
+    return "inproc" if name == "in-process" else "tcp" if name.endswith("-tcp") else "ipc"
+
+
+def _launcher_kind(name: str) -> str:
+    return "none" if name == "in-process" else "remote" if name.endswith("-tcp") else "local"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@contextlib.asynccontextmanager
+async def _open(name: str) -> AsyncIterator[Runtime]:
+    """The runtime of placement ``name``; for a ``-tcp`` one, its ranks are ``mstar worker``
+    processes started here as a user would on other hosts, joined over loopback TCP."""
+    placement = _placement(name)
+    if _launcher_kind(name) != "remote":
+        async with open_runtime(build_model("demo"), placement=placement) as runtime:
+            yield runtime
+        return
+    assert placement is not None
+    port = _free_port()
+    command = [sys.executable, "-m", "mstar_async.cli", "worker"]
+    command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank"]
+    procs = []
+    try:
+        for rank in range(placement.ranks):
+            procs.append(
+                await anyio.open_process(
+                    [*command, str(rank)], cwd=_ROOT, stdout=None, stderr=subprocess.DEVNULL
+                )
+            )
+        launcher = RemoteLauncher(f"tcp://127.0.0.1:{port}", data_port=0)
+        async with open_runtime(
+            build_model("demo"), placement=placement, launcher=launcher
+        ) as runtime:
+            yield runtime
+        with anyio.move_on_after(10):
+            for proc in procs:  # closing the runtime ends them
+                await proc.wait()
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                await proc.wait()
 
 
 @dataclass
@@ -263,14 +336,17 @@ class _Requests:
     """What one placement's timed requests measured."""
 
     ttfa: list[float]
+    last_audio: list[float]
     total: list[float]
     chunks: int = 0
     audio_seconds: float = 0.0
 
 
-async def _one_request(runtime: Runtime, work: _Workload) -> tuple[float, float, int, float]:
-    """Time to first audio, total time, chunks and seconds of audio of one demo request."""
+async def _one_request(runtime: Runtime, work: _Workload) -> tuple[float, float, float, int, float]:
+    """Time to first audio, to last audio, total time, chunks and seconds of audio of one
+    demo request."""
     first: float | None = None
+    last = 0.0
     chunks, seconds = 0, 0.0
     start = time.perf_counter()
     async with runtime.generate(
@@ -280,49 +356,90 @@ async def _one_request(runtime: Runtime, work: _Workload) -> tuple[float, float,
     ) as outputs:
         async for item in outputs:
             if isinstance(item, AudioChunk):
+                last = time.perf_counter() - start
                 if first is None:
-                    first = time.perf_counter() - start
+                    first = last
                 chunks += 1
                 seconds += item.seconds
     total = time.perf_counter() - start
     if first is None:
         raise RuntimeError("the demo request produced no audio")
-    return first, total, chunks, seconds
+    return first, last, total, chunks, seconds
+
+
+@contextlib.asynccontextmanager
+async def _open_all(
+    together: bool, progress: Progress
+) -> AsyncIterator[dict[str, tuple[Runtime, float]]]:
+    """Every placement's runtime and how long it took to open, open until the block exits.
+
+    Each runtime lives in a task of its own, so that with ``together`` they all start at once
+    (their worker processes' imports overlap) rather than one after another.
+    """
+    opened: dict[str, tuple[Runtime, float]] = {}
+    all_open = anyio.Event()
+    release = anyio.Event()
+
+    async def hold(name: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        progress(f"placement {name}: opening the runtime")
+        start = time.perf_counter()
+        async with _open(name) as runtime:
+            opened[name] = (runtime, time.perf_counter() - start)
+            progress(f"placement {name}: open in {opened[name][1]:.2f} s")
+            task_status.started()
+            if len(opened) == len(PLACEMENTS):
+                all_open.set()
+            await release.wait()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for name in PLACEMENTS:
+                if together:
+                    tg.start_soon(partial(hold, name))
+                else:
+                    await tg.start(partial(hold, name))
+            await all_open.wait()
+            try:
+                yield opened
+            finally:
+                release.set()
+    except BaseExceptionGroup as group:
+        # One failure (a runtime that did not open, a request that failed) is what callers
+        # catch, not the group the task group wraps it in.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _placements(work: _Workload, progress: Progress) -> list[dict[str, Any]]:
     startup: dict[str, float] = {}
     threads: dict[str, int] = {}
     runtimes: dict[str, Runtime] = {}
-    measured = {name: _Requests([], []) for name in PLACEMENTS}
-    async with contextlib.AsyncExitStack() as stack:
+    measured = {name: _Requests([], [], []) for name in PLACEMENTS}
+    async with _open_all(work.mode == "quick", progress) as opened:
         for name in PLACEMENTS:
-            model = build_model("demo")
-            progress(f"placement {name}: opening the runtime")
-            start = time.perf_counter()
-            runtimes[name] = await stack.enter_async_context(
-                open_runtime(model, placement=_placement(name))
-            )
-            startup[name] = time.perf_counter() - start
+            runtimes[name], startup[name] = opened[name]
             pool = runtimes[name].pool
             # Torch threads per worker (in-process: this process's): on a small or busy
             # machine the thread count, not the transport, can dominate small forwards.
             threads[name] = torch.get_num_threads() if pool is None else pool.threads
-            progress(f"placement {name}: open in {startup[name]:.2f} s; warm-up request")
+            progress(f"placement {name}: warm-up request")
             await _one_request(runtimes[name], work)
         for index in range(work.requests):
             # One request per placement per round, order reversed every round: the runtimes
             # take turns, so a change in the machine's load hits all of them alike.
             order = PLACEMENTS if index % 2 == 0 else tuple(reversed(PLACEMENTS))
             for name in order:
-                ttfa, total, chunks, seconds = await _one_request(runtimes[name], work)
+                ttfa, last, total, chunks, seconds = await _one_request(runtimes[name], work)
                 entry = measured[name]
                 entry.ttfa.append(ttfa * 1e3)
+                entry.last_audio.append(last * 1e3)
                 entry.total.append(total * 1e3)
                 entry.chunks, entry.audio_seconds = chunks, seconds
                 progress(
                     f"placement {name} request {index + 1}/{work.requests}: first audio "
-                    f"{ttfa * 1e3:.1f} ms, total {total * 1e3:.1f} ms"
+                    f"{ttfa * 1e3:.1f} ms, last audio {last * 1e3:.1f} ms, total "
+                    f"{total * 1e3:.1f} ms"
                 )
         progress("closing the runtimes")
     results: list[dict[str, Any]] = []
@@ -335,12 +452,16 @@ async def _placements(work: _Workload, progress: Progress) -> list[dict[str, Any
                 "spec": None if placement is None else placement.to_dict(),
                 # Worker processes; the in-process runtime has none besides this one.
                 "processes": 0 if placement is None else placement.ranks,
+                "transport": _transport(name),
+                "launcher": _launcher_kind(name),
                 "torch_threads": threads[name],
                 "startup_s": round(startup[name], 4),
                 "requests": work.requests,
                 "ttfa_ms": summarize(entry.ttfa).to_json(),
+                "last_audio_ms": summarize(entry.last_audio).to_json(),
                 "total_ms": summarize(entry.total).to_json(),
                 "ttfa_ms_samples": [round(v, 3) for v in entry.ttfa],
+                "last_audio_ms_samples": [round(v, 3) for v in entry.last_audio],
                 "total_ms_samples": [round(v, 3) for v in entry.total],
                 "audio_chunks": entry.chunks,
                 "audio_seconds": round(entry.audio_seconds, 4),
@@ -421,7 +542,14 @@ async def run_transport_async(
         "throughput: best of a few one-way transfers per repetition; copies on one thread",
         "inproc: a StepCall handed over through an anyio memory stream; the receiver gets "
         "the same tensor object (no bytes move), so its GB/s is only nominal",
+        "placements: codec-split-tcp is codec-split with both ranks run as `mstar worker` "
+        "processes joined over loopback TCP (RemoteLauncher), as on other hosts; last audio "
+        "is the end of the streamed speech, total adds the request's image walk",
     ]
+    if quick:
+        notes.append(
+            "quick mode: the placements' runtimes open concurrently, so startup_s overlaps"
+        )
     if quick:
         notes.append(
             f"quick mode: the large tensor is {_label(work.large)}, not 64 MB, so the "
@@ -559,16 +687,17 @@ def format_transport(result: dict[str, Any]) -> str:
         f"p50 over {work['requests_per_placement']} requests after a warm-up",
     ]
     header = (
-        f"{'placement':>12} | {'workers':>7} | {'threads':>7} | {'startup s':>9} | "
-        f"{'first audio ms':>24} | {'total ms':>24} | {'audio':>14}"
+        f"{'placement':>15} | {'workers':>7} | {'via':>6} | {'threads':>7} | "
+        f"{'startup s':>9} | {'first audio ms':>22} | {'last audio ms':>22} | "
+        f"{'total ms':>22} | {'audio':>14}"
     )
     lines += [header, "-" * len(header)]
     for e in result["placements"]:
         audio = f"{e['audio_chunks']} ch, {e['audio_seconds']:.2f} s"
         lines.append(
-            f"{e['placement']:>12} | {e['processes']:>7} | {e['torch_threads']:>7} | "
-            f"{e['startup_s']:>9.2f} | "
-            f"{_cell(e['ttfa_ms']):>24} | {_cell(e['total_ms']):>24} | {audio:>14}"
+            f"{e['placement']:>15} | {e['processes']:>7} | {e['transport']:>6} | "
+            f"{e['torch_threads']:>7} | {e['startup_s']:>9.2f} | {_cell(e['ttfa_ms']):>22} | "
+            f"{_cell(e['last_audio_ms']):>22} | {_cell(e['total_ms']):>22} | {audio:>14}"
         )
     lines += ["", "notes:", *(f"  {note}" for note in work["notes"]), "", "aims:"]
     for aim in result["aims"]:

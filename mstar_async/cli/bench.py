@@ -122,10 +122,16 @@ def add_bench_parser(sub: Any) -> None:
         help="ZeroMQ round trips and tensor throughput vs raw pyzmq and memory copies",
         description=(
             "Small-message round trips (IPC, TCP) against raw pyzmq, tensor throughput (1 MB, "
-            "64 MB) against a memory copy, and a streaming demo request at each placement."
+            "64 MB) against a memory copy, and a streaming speech request of the demo model "
+            "(first audio, last audio, total) at each placement: in-process, one worker, codec "
+            "split, codec replicas, and codec split with ranks joined over TCP (mstar worker)."
         ),
     )
-    transport.add_argument("--quick", action="store_true", help="fewer round trips, 8 MB tensors")
+    transport.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer round trips, 8 MB tensors, 2 requests per placement",
+    )
     transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
     transport.set_defaults(handler=_transport)

@@ -1,4 +1,6 @@
-"""``mstar``: run models, list them. The CLI owns its event loop, so it uses uvloop when present."""
+"""``mstar``: run models, list them, benchmark them, serve a rank for another host.
+
+The CLI owns its event loop, so it uses uvloop when present."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import anyio
 
 from mstar_async.cli.run import add_run_parser
 from mstar_async.cli.serve import add_serve_parser
+from mstar_async.cli.worker import add_worker_parser
 from mstar_async.logs import configure_logging
 from mstar_async.models import list_models
 
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     __import__("mstar_async.cli.bench", fromlist=["add_bench_parser"]).add_bench_parser(sub)
     add_serve_parser(sub)
+    add_worker_parser(sub)
     return parser
 
 

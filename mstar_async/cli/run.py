@@ -26,6 +26,9 @@ from mstar_async.errors import MstarError
 from mstar_async.graph import Model
 from mstar_async.models import build_model
 from mstar_async.outputs import ActionOutput, AudioChunk, ImageOutput, LatentOutput, TextDelta
+from mstar_async.placement import Placement
+from mstar_async.worker.launchers import Launcher
+from mstar_async.worker.remote import RemoteLauncher
 
 
 def add_run_parser(sub: Any) -> None:
@@ -42,6 +45,28 @@ def add_run_parser(sub: Any) -> None:
         "--output",
         metavar="PATH",
         help=f"save the outputs; the extension picks the format ({', '.join(OUTPUT_WRITERS)})",
+    )
+    run.add_argument(
+        "--placement",
+        type=Path,
+        metavar="FILE",
+        help="a placement YAML: run its ranks as worker processes (default: all in this one)",
+    )
+    run.add_argument(
+        "--listen",
+        metavar="tcp://HOST:PORT",
+        help=(
+            "with --placement: ranks whose hosts: entry is another host join here over TCP "
+            "(run 'mstar worker --conductor tcp://THIS_HOST:PORT --rank N' on each)"
+        ),
+    )
+    run.add_argument(
+        "--join",
+        metavar="RANKS",
+        help=(
+            "with --listen: the ranks that join over TCP, comma-separated (default: those "
+            "hosts: puts on other hosts); e.g. 0,1 to try it all on one host"
+        ),
     )
     run.set_defaults(handler=_run)
 
@@ -146,16 +171,22 @@ async def run_request(
     *,
     echo: bool = False,
     keep: list[Any] | None = None,
+    placement: Placement | None = None,
+    launcher: Launcher | None = None,
 ) -> RunSummary:
-    """Open a runtime for ``model``, run one request with ``inputs``, and summarise its outputs.
+    """Open a runtime for ``model`` (with ``placement`` and ``launcher``, as ``open_runtime``),
+    run one request with ``inputs``, and summarise its outputs.
 
     With ``echo``, text is printed to stdout as it is generated; ``keep`` collects every
     output, in order (for saving them).
+
+    Raises:
+        What ``open_runtime`` and the request raise.
     """
     from mstar_async.runtime import open_runtime
 
     summary = RunSummary(model.name)
-    async with open_runtime(model) as runtime:
+    async with open_runtime(model, placement=placement, launcher=launcher) as runtime:
         started = time.perf_counter()
         async with runtime.generate(**inputs) as outputs:
             async for item in outputs:
@@ -218,6 +249,13 @@ def _print(summary: RunSummary, as_json: bool) -> None:
         )
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise MstarError(f"--join takes ranks like 0,1; got {text!r}") from None
+
+
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.cli.main import run_async
 
@@ -226,10 +264,21 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         writer = output_writer(args.output) if args.output else None
         model = build_model(args.model)
         inputs = parse_inputs(model, extra)
+        placement = None if args.placement is None else Placement.from_yaml(args.placement)
+        launcher: Launcher | None = None
+        if args.listen is not None:
+            if placement is None:
+                raise MstarError("--listen needs --placement: its hosts: say which ranks join")
+            launcher = RemoteLauncher.for_placement(placement, args.listen)
+            if args.join is not None:
+                launcher = RemoteLauncher(args.listen, ranks=_ranks(args.join))
+            for rank in sorted(launcher.ranks or ()):
+                print(f"rank {rank}: waiting for `{launcher.command(rank)}`", file=sys.stderr)
         outputs: list[Any] = []
-        summary: RunSummary = run_async(
-            functools.partial(run_request, echo=not args.json, keep=outputs), model, inputs
+        run = functools.partial(
+            run_request, echo=not args.json, keep=outputs, placement=placement, launcher=launcher
         )
+        summary: RunSummary = run_async(run, model, inputs)
         saved = writer(Path(args.output), outputs) if writer is not None else None
     except MstarError as exc:
         print(f"mstar run: {exc}", file=sys.stderr)

@@ -78,7 +78,9 @@ async def open_runtime(
     model must come from the zoo's ``build_model`` or carry a ``source``), and each node step
     goes to the rank placement names. ``launcher`` starts those workers: child processes of
     this one by default, or e.g. ``RayLauncher("auto")`` for Ray actors across a cluster (see
-    ``mstar_async.worker.launchers``); it needs a placement.
+    ``mstar_async.worker.launchers``), or ``RemoteLauncher.for_placement(placement)`` for
+    ranks that ``mstar worker`` processes on other hosts serve, joined over plain TCP (see
+    ``mstar_async.worker.remote``); it needs a placement.
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.

@@ -9,6 +9,8 @@ TCP across hosts. A launcher only places, starts and stops workers; it never car
 - ``RayLauncher`` runs each rank as a Ray actor on an existing Ray cluster, which puts it on a
   node with the rank's resources (CPUs, GPUs, custom resources) free. Ray is an optional extra
   (``pip install 'mstar-async[ray]'``); importing this module never imports it.
+- ``RemoteLauncher`` (``mstar_async.worker.remote``) starts nothing: workers that users run on
+  other hosts (``mstar worker``) join over plain TCP.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class Launcher(Protocol):
 
         Returns None when every worker runs on this host (the pool then binds IPC), or the host
         name or IPv4 address workers connect to (the pool then binds a free TCP port on every
-        interface and hands workers ``tcp://HOST:PORT``).
+        interface and hands workers ``tcp://HOST:PORT``), or ``tcp://HOST:PORT`` to have the
+        pool bind that port (on every interface) rather than a free one.
         """
         ...
 

@@ -41,7 +41,8 @@ log = get_logger("mstar_async.worker")
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker process needs to start: its rank, where the conductor listens, how to
-    rebuild the model, which engines to build, and its share of the CPU."""
+    rebuild the model, which engines to build, and its share of the CPU. ``parent_pid`` is the
+    process whose end ends the worker; 0 for none (a worker on another host)."""
 
     rank: int
     generation: int
@@ -91,7 +92,8 @@ async def serve(config: WorkerConfig) -> None:
         link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)
-            tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
+            if config.parent_pid > 0:
+                tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
             await link.send(Hello(config.rank, os.getpid(), config.endpoint, sorted(engines)))
             log.info("worker.ready", rank=config.rank, engines=sorted(engines))
             await _serve_messages(link, batching, tg)

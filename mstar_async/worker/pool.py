@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -34,6 +34,7 @@ from mstar_async.transport import (
     StepRequest,
     TransportError,
     ZmqHub,
+    encode_message,
 )
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
@@ -60,10 +61,21 @@ class _Rank:
     ready: anyio.Event = field(default_factory=anyio.Event)
     in_flight: dict[int, _Waiter] = field(default_factory=dict)
     restarts: int = 0
+    down: str = ""  # why the rank was not restarted
 
     @property
     def identity(self) -> bytes:
         return identity(self.rank, self.generation)
+
+
+def _details(states: Iterable[_Rank]) -> str:
+    # A launcher's handle may say what it waits for or why it ended (a remote worker does).
+    found = [
+        f"rank {state.rank}: {detail}"
+        for state in states
+        if (detail := getattr(state.worker, "detail", ""))
+    ]
+    return f" ({'; '.join(found)})" if found else ""
 
 
 class WorkerPool:
@@ -124,8 +136,12 @@ class WorkerPool:
                 self._endpoint = self._server.endpoint
             else:
                 # Every interface, since the address workers dial may not be one this host
-                # can bind by name; they are told the host the launcher named.
-                self._server = self._hub.bind("tcp://0.0.0.0:0")
+                # can bind by name; they are told the host the launcher named (and its port,
+                # when it names one: a firewall may allow only that one).
+                fixed = "0"
+                if host.startswith("tcp://"):
+                    host, _, fixed = host.removeprefix("tcp://").rpartition(":")
+                self._server = self._hub.bind(f"tcp://0.0.0.0:{fixed}")
                 port = self._server.endpoint.rsplit(":", 1)[1]
                 self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
@@ -137,8 +153,10 @@ class WorkerPool:
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, TimeoutError):
+                missing = [r for r, state in self.ranks.items() if not state.ready.is_set()]
                 raise WorkerLost(
-                    f"workers did not become ready within {self.ready_timeout} s"
+                    f"worker rank(s) {missing} did not become ready within "
+                    f"{self.ready_timeout} s{_details(self.ranks[r] for r in missing)}"
                 ) from exc
             raise
         return self
@@ -184,7 +202,9 @@ class WorkerPool:
     async def _wait_ready(self, state: _Rank) -> None:
         await state.ready.wait()
         if state.worker is None or state.worker.returncode is not None:
-            raise WorkerLost(f"worker rank {state.rank} exited before it was ready")
+            raise WorkerLost(
+                f"worker rank {state.rank} exited before it was ready{_details([state])}"
+            )
 
     async def _supervise(self, state: _Rank, worker: WorkerHandle) -> None:
         code = await worker.wait()
@@ -192,7 +212,7 @@ class WorkerPool:
             return
         lost = WorkerLost(
             f"worker rank {state.rank} (pid {worker.pid}) died with exit code {code}; "
-            "its in-flight steps failed"
+            f"its in-flight steps failed{_details([state])}"
         )
         log.warning("worker.lost", rank=state.rank, pid=worker.pid, code=code)
         state.ready.set()  # wake anyone waiting for a start that will not come
@@ -207,6 +227,7 @@ class WorkerPool:
             # The rank stays down (submit_to says so) rather than taking the pool with it: a
             # launcher can fail where a fork would not (no free resources on a cluster).
             log.error("worker.restart_failed", rank=state.rank, error=repr(exc))
+            state.down = str(exc)
             state.ready.set()
 
     async def _stop_all(self) -> None:
@@ -262,20 +283,28 @@ class WorkerPool:
         Cancel-safe: a cancelled step's reply is dropped when it comes.
 
         Raises:
-            WorkerLost: the worker died with the step in flight (or while restarting).
+            WorkerLost: the worker died with the step in flight (or while restarting), or its
+                connection is gone.
             MstarError: what the step raised on the worker (its class kept where known).
         """
         state = self.ranks[rank]
         with anyio.fail_after(self.ready_timeout):
             await state.ready.wait()
         if state.worker is None or state.worker.returncode is not None:
-            raise WorkerLost(f"worker rank {rank} is down")
+            why = f": {state.down}" if state.down else ""
+            raise WorkerLost(f"worker rank {rank} is down{why}")
         assert self._server is not None
         step_id = next(self._ids)
         waiter = _Waiter()
         state.in_flight[step_id] = waiter
         try:
-            await self._server.send(state.identity, StepRequest.from_call(step_id, call))
+            frames = encode_message(StepRequest.from_call(step_id, call))
+            try:
+                await self._server.send_frames(state.identity, frames)
+            except TransportError as exc:
+                # The worker's connection is gone before its end is known (a remote worker is
+                # known lost only when its heartbeats stop): it is lost for this step too.
+                raise WorkerLost(f"worker rank {rank} is unreachable: {exc}") from exc
             await waiter.done.wait()
         finally:
             state.in_flight.pop(step_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,43 @@ def test_mstar_run_bagel_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "request took" in printed
     with Image.open(out) as image:
         assert image.size == (64, 64) and image.mode == "RGB"
+
+
+def test_mstar_run_serves_a_rank_joined_by_mstar_worker(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conductor = f"tcp://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mstar_async.cli", "worker", "--conductor", conductor]
+    worker = subprocess.Popen(
+        [*command, "--rank", "1", "--threads", "1"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        placement = str(ROOT / "examples" / "placements" / "codec_split.yaml")
+        serve = ["run", "demo", "--json", "--placement", placement, "--listen", conductor]
+        code = main([*serve, "--join", "1", "--max-codes", "16", "--steps", "2"])
+        assert code == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["audio_chunks"] == 3 and summary["images"] == [[3, 16, 16]]
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 0, err
+        assert "rank 1: joined" in err
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+
+
+def test_mstar_run_listen_needs_a_placement(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "demo", "--listen", "tcp://127.0.0.1:5555"]) == 2
+    assert "--listen needs --placement" in capsys.readouterr().err
+
+
+def test_mstar_worker_rejects_a_bad_conductor(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--conductor", "10.0.0.1", "--rank", "0"]) == 2
+    assert "tcp://HOST:PORT" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 
 from mstar_async.engines import StatelessEngine
 from mstar_async.graph import DynamicLoop, Model, ModelSource, Node, Sequential, Walk, stream
+from mstar_async.models import build_model
 from mstar_async.policies import Chunk, FixedChunkPolicy
 
 BOUND = 2
@@ -50,4 +52,14 @@ def build_slow_pipeline() -> Model:
         },
     )
     model.source = ModelSource("tests.worker.models:build_slow_pipeline")
+    return model
+
+
+def build_demo_needing_a_checkpoint() -> Model:
+    """The demo model, as a model whose checkpoint is missing on hosts where the environment
+    variable ``MSTAR_TEST_NO_CHECKPOINT`` is set: building it there fails."""
+    if os.environ.get("MSTAR_TEST_NO_CHECKPOINT"):
+        raise FileNotFoundError("no checkpoint folder /models/demo on this host")
+    model = build_model("demo")
+    model.source = ModelSource("tests.worker.models:build_demo_needing_a_checkpoint")
     return model
