@@ -14,6 +14,7 @@ processes the same message travels as a small typed header plus raw tensor frame
 from __future__ import annotations
 
 from mstar_async.transport.codec import (
+    INLINE_TENSOR_BYTES,
     SUPPORTED_DTYPES,
     TensorMeta,
     decode_value,
@@ -51,6 +52,7 @@ from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 __all__ = [
     "EXPORT_OP",
     "IMPORT_OP",
+    "INLINE_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
     "ErrorInfo",
     "FetchTensor",
