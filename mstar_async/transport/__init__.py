@@ -31,12 +31,13 @@ from mstar_async.transport.errors import (
     register_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall
+from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 from mstar_async.transport.wire import (
     ErrorInfo,
     FetchTensor,
     Hello,
     Message,
+    Peers,
     Ping,
     Pong,
     Release,
@@ -59,6 +60,7 @@ __all__ = [
     "Hello",
     "Link",
     "Message",
+    "Peers",
     "Ping",
     "Pong",
     "Release",
@@ -69,6 +71,7 @@ __all__ = [
     "StepReply",
     "StepRequest",
     "TensorMeta",
+    "TensorRef",
     "TensorReply",
     "TransportError",
     "ZmqHub",
