@@ -120,7 +120,7 @@ async def _serve_messages(
         elif isinstance(message, Peers):
             tensors.set_peers(message.endpoints)
         elif isinstance(message, Ping):
-            await link.send(Pong(message.id, tensors.store.stats()))
+            await link.send(Pong(message.id, tensors.stats()))
         elif isinstance(message, Shutdown):
             return
 

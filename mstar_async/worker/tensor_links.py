@@ -95,6 +95,16 @@ class WorkerTensors:
         self._endpoints: dict[int, str] = {}
         self._peers: dict[int, _Peer] = {}
         self._ids = itertools.count()
+        self.fetched = 0  # tensors fetched from other workers
+        self.served = 0  # tensors sent to other workers or the conductor
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters plus ``tensors_fetched`` and ``tensors_served``."""
+        return {
+            **self.store.stats(),
+            "tensors_fetched": self.fetched,
+            "tensors_served": self.served,
+        }
 
     def set_peers(self, endpoints: Mapping[int, str]) -> None:
         """Learn where each rank serves its tensors; links to a peer that moved are closed (a
@@ -149,6 +159,7 @@ class WorkerTensors:
         value = reply.value
         if not isinstance(value, torch.Tensor):
             raise TransportError(f"rank {ref.rank} answered {ref.key!r} with no tensor")
+        self.fetched += 1
         return value
 
     def _peer(self, rank: int) -> _Peer:
@@ -186,7 +197,9 @@ class WorkerTensors:
         Never raises."""
         ref = TensorRef(self.store.rank, fetch.ref_id, (), "")
         try:
-            return TensorReply(fetch.ref_id, fetch.id, self.store.get(ref))
+            tensor = self.store.get(ref)
+            self.served += 1
+            return TensorReply(fetch.ref_id, fetch.id, tensor)
         except TensorNotHeld as exc:
             return TensorReply(fetch.ref_id, fetch.id, error=ErrorInfo.from_exception(exc))
 

@@ -53,11 +53,12 @@ class TensorStore:
         return sum(t.nbytes for t in self._tensors.values())
 
     def stats(self) -> dict[str, int]:
-        """``tensors_held``, ``tensor_bytes_held`` and ``requests_held``."""
+        """``tensors_held``, ``tensor_bytes_held``, ``requests_held`` and ``steps_running``."""
         return {
             "tensors_held": len(self._tensors),
             "tensor_bytes_held": self.nbytes,
             "requests_held": len(self._keys),
+            "steps_running": sum(self._running.values()),
         }
 
     def step_started(self, request_id: str) -> None:

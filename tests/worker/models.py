@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from mstar_async.engines import StatelessEngine
-from mstar_async.graph import DynamicLoop, Model, ModelSource, Node, Sequential, Walk, stream
+from mstar_async.graph import (
+    DynamicLoop,
+    Edge,
+    Model,
+    ModelSource,
+    Node,
+    Parallel,
+    Sequential,
+    Walk,
+    stream,
+)
 from mstar_async.policies import Chunk, FixedChunkPolicy
 
 BOUND = 2
@@ -50,4 +60,53 @@ def build_slow_pipeline() -> Model:
         },
     )
     model.source = ModelSource("tests.worker.models:build_slow_pipeline")
+    return model
+
+
+HANDOFF_SIDE = 128  # make.h is HANDOFF_SIDE**2 float32 per request: 64 KiB, kept on its worker
+
+
+def _make(x: torch.Tensor) -> dict[str, Any]:
+    if bool((x < 0).any()):
+        time.sleep(1.0)  # a slow step, still running when its request is cancelled
+    grid = torch.arange(HANDOFF_SIDE * HANDOFF_SIDE, dtype=torch.float32)
+    h = torch.sin(x.float().reshape(-1, 1) + grid * 1e-3)
+    return {"h": h.reshape(-1, HANDOFF_SIDE, HANDOFF_SIDE)}
+
+
+async def _handoff_program(
+    request: Any, x: float = 1.0, raw: bool = False
+) -> AsyncGenerator[Any, None]:
+    if raw:
+        yield (await request.run("raw", x=torch.tensor(x)))["h"]
+        return
+    result = await request.run("w", x=torch.tensor(x))
+    yield result["s"]
+    yield result["c"]
+
+
+def build_handoff() -> Model:
+    """``make`` produces a large tensor that ``use`` and ``check`` consume: placed apart, it
+    goes from worker to worker. Walk ``raw`` hands it to the program instead."""
+    nodes = [
+        Node("make", engine="maker", inputs=["x"], outputs=["h"]),
+        Node("use", engine="user", inputs=["h"], outputs=["s"]),
+        Node("check", engine="checker", inputs=["h"], outputs=["c"]),
+    ]
+    model = Model(
+        "handoff",
+        nodes=nodes,
+        edges=[Edge("make.h", "use.h"), Edge("make.h", "check.h")],
+        walks=[
+            Walk("w", Sequential("make", Parallel("use", "check")), outputs=["use.s", "check.c"]),
+            Walk("raw", Sequential("make"), outputs=["make.h"]),
+        ],
+        program=_handoff_program,
+        components={
+            "maker": lambda: StatelessEngine({"make": _make}),
+            "user": lambda: StatelessEngine({"use": lambda h: {"s": h.sum(dim=(1, 2))}}),
+            "checker": lambda: StatelessEngine({"check": lambda h: {"c": h.amax(dim=(1, 2))}}),
+        },
+    )
+    model.source = ModelSource("tests.worker.models:build_handoff")
     return model
