@@ -241,18 +241,22 @@ class WalkRunner:
         while search is not None:
             search.last[ref] = value
             search = search.parent
+        seen: Any = None  # the tensor behind a handle, once fetched
         for edge in self.plan.out_edges.get(ref, ()):
             target = scope.owner(edge.lca)
             if edge.streaming:
-                value = await materialize(self.request.executor, value)
-                await target.senders[edge].send(_as_items(value))
+                seen = seen if seen is not None else await self._see(value)
+                await target.senders[edge].send(_as_items(seen))
             else:
                 target.cells[edge].set(value)
         if ref in self.plan.persisted_out:
             self.request.persisted[ref] = value
         if ref in self._outputs:
-            value = await materialize(self.request.executor, value)
-            await self.out.send(WalkEvent(str(ref), value, scope.iteration))
+            seen = seen if seen is not None else await self._see(value)
+            await self.out.send(WalkEvent(str(ref), seen, scope.iteration))
+
+    async def _see(self, value: Any) -> Any:
+        return await materialize(self.request.executor, value)
 
     async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
         fixed: dict[PortRef, Any] = {}

@@ -75,8 +75,11 @@ def _make(x: torch.Tensor) -> dict[str, Any]:
 
 
 async def _handoff_program(
-    request: Any, x: float = 1.0, raw: bool = False
+    request: Any, x: float = 1.0, raw: bool = False, loop: bool = False
 ) -> AsyncGenerator[Any, None]:
+    if loop:
+        yield (await request.run("loop", x=torch.tensor(x)))["s"]
+        return
     if raw:
         yield (await request.run("raw", x=torch.tensor(x)))["h"]
         return
@@ -92,18 +95,33 @@ def build_handoff() -> Model:
         Node("make", engine="maker", inputs=["x"], outputs=["h"]),
         Node("use", engine="user", inputs=["h"], outputs=["s"]),
         Node("check", engine="checker", inputs=["h"], outputs=["c"]),
+        Node("halve", engine="maker", op="halve", inputs=["h"], outputs=["h2"]),
+        Node("use2", engine="user", op="use", inputs=["h"], outputs=["s"]),
     ]
+    # Halve h until the predicate, which reads the large tensor itself, says it is small.
+    halving = DynamicLoop(
+        "halve",
+        until=lambda s: float(s.outputs["halve.h2"].abs().max()) < 0.2,
+        max_iterations=10,
+        carry={"halve.h2": "halve.h"},
+    )
     model = Model(
         "handoff",
         nodes=nodes,
-        edges=[Edge("make.h", "use.h"), Edge("make.h", "check.h")],
+        edges=[
+            Edge("make.h", "use.h"),
+            Edge("make.h", "check.h"),
+            Edge("make.h", "halve.h"),
+            Edge("halve.h2", "use2.h"),
+        ],
         walks=[
             Walk("w", Sequential("make", Parallel("use", "check")), outputs=["use.s", "check.c"]),
             Walk("raw", Sequential("make"), outputs=["make.h"]),
+            Walk("loop", Sequential("make", halving, "use2"), outputs=["use2.s"]),
         ],
         program=_handoff_program,
         components={
-            "maker": lambda: StatelessEngine({"make": _make}),
+            "maker": lambda: StatelessEngine({"make": _make, "halve": lambda h: {"h2": h * 0.5}}),
             "user": lambda: StatelessEngine({"use": lambda h: {"s": h.sum(dim=(1, 2))}}),
             "checker": lambda: StatelessEngine({"check": lambda h: {"c": h.amax(dim=(1, 2))}}),
         },

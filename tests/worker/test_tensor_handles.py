@@ -18,7 +18,7 @@ from .models import HANDOFF_SIDE, build_handoff
 H_BYTES = HANDOFF_SIDE * HANDOFF_SIDE * 4
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 # make and check on rank 0, use on rank 1: h crosses once between workers and once not at all.
-SPLIT = Placement(nodes={"use": 1})
+SPLIT = Placement(nodes={"use": 1, "use2": 1})
 
 
 async def collect(runtime: Runtime, **inputs: Any) -> list[Any]:
@@ -48,6 +48,7 @@ async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_hold
     async with open_runtime(build_handoff()) as local:
         expected = await collect(local, x=0.5)
         expected_raw = await collect(local, x=0.25, raw=True)
+        expected_loop = await collect(local, x=0.75, loop=True)
     async with open_runtime(build_handoff(), placement=SPLIT) as runtime:
         pool = runtime.pool
         assert pool is not None
@@ -70,6 +71,16 @@ async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_hold
         assert pool.bytes_received - before >= H_BYTES
         assert torch.equal(raw, expected_raw[0])
         assert [s["tensors_held"] for s in await stats(pool)] == [0, 0]
+
+        # A loop carries h as a handle on rank 0; its predicate reads each iteration's h, so
+        # the conductor fetches those (three iterations), and rank 1 fetches the last one.
+        before = pool.bytes_received
+        (looped,) = await collect(runtime, x=0.75, loop=True)
+        assert torch.equal(looped, expected_loop[0])
+        assert 3 * H_BYTES <= pool.bytes_received - before < 4 * H_BYTES
+        now = await stats(pool)
+        assert now[1]["tensors_fetched"] == 2
+        assert [s["tensors_held"] for s in now] == [0, 0]
 
 
 @ONE_LOOP
