@@ -11,6 +11,7 @@ import torch
 
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.worker.launchers import LocalLauncher
 from mstar_async.worker.pool import WorkerPool
 
 from .models import HANDOFF_SIDE, build_handoff
@@ -112,3 +113,24 @@ async def test_stores_are_empty_after_finished_and_cancelled_requests() -> None:
         assert [s["requests_held"] for s in now] == [0, 0]
         # ...and the runtime still serves.
         assert len(await collect(runtime, x=3.0)) == 2
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_workers_that_reach_the_pool_over_tcp_pass_tensors_over_tcp() -> None:
+    async with open_runtime(build_handoff()) as local:
+        expected = await collect(local, x=1.5)
+    launcher = LocalLauncher(endpoint_host="127.0.0.1")
+    async with open_runtime(build_handoff(), placement=SPLIT, launcher=launcher) as runtime:
+        pool = runtime.pool
+        assert pool is not None
+        assert all(s.peer_endpoint.startswith("tcp://127.0.0.1:") for s in pool.ranks.values())
+        before = pool.bytes_received
+        answer = await collect(runtime, x=1.5)
+        assert pool.bytes_received - before < H_BYTES // 8
+        for got, want in zip(answer, expected, strict=True):
+            assert torch.equal(got, want)
+        now = await stats(pool)
+        assert now[1]["tensors_fetched"] == 1
+        assert [s["tensors_held"] for s in now] == [0, 0]
