@@ -290,8 +290,8 @@ _CODE_OF: dict[str, int] = {name: i for i, name in enumerate(_NUMPY_NATIVE + _VI
 _BY_CODE: dict[int, _DType] = {_CODE_OF[name]: info for name, info in _DTYPES.items()}
 # (frame index, dtype code, ndim) then ndim int64 dims; inline tensors drop the frame index.
 _FRAME_HEAD = struct.Struct("<iBB")
-_INLINE_HEAD = struct.Struct("<BB")
 _DIMS: dict[int, struct.Struct] = {}
+_INLINE_HEADS: dict[int, struct.Struct] = {}  # ndim -> (dtype code, ndim, dims), one call
 _SCALARS = frozenset({type(None), str, int, float, bool, bytes})
 
 
@@ -299,6 +299,13 @@ def _dims(ndim: int) -> struct.Struct:
     packer = _DIMS.get(ndim)
     if packer is None:
         packer = _DIMS[ndim] = struct.Struct(f"<{ndim}q")
+    return packer
+
+
+def _inline_head(ndim: int) -> struct.Struct:
+    packer = _INLINE_HEADS.get(ndim)
+    if packer is None:
+        packer = _INLINE_HEADS[ndim] = struct.Struct(f"<BB{ndim}q")
     return packer
 
 
@@ -355,7 +362,7 @@ def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpa
     if nbytes < INLINE_TENSOR_BYTES:
         # One copy of a few bytes into the header beats a frame: each frame costs a zmq.Frame
         # and a tensor over it on the other side, several microseconds.
-        head = _INLINE_HEAD.pack(_CODE_OF[name], ndim) + _dims(ndim).pack(*shape)
+        head = _inline_head(ndim).pack(_CODE_OF[name], ndim, *shape)
         return _Ext(_EXT_INLINE, head + ctypes.string_at(t.data_ptr(), nbytes))
     view = _DTYPES[name].view
     buffers.append((t if view is t.dtype else t.view(view)).numpy().data)
@@ -475,11 +482,11 @@ def _decode_frame_tensor(data: memoryview) -> torch.Tensor:
 
 
 def _decode_inline_tensor(data: memoryview) -> torch.Tensor:
-    code, ndim = _INLINE_HEAD.unpack_from(data)
-    start = _INLINE_HEAD.size + 8 * ndim
-    shape = _dims(ndim).unpack_from(data, _INLINE_HEAD.size)
+    head = _inline_head(data[1])
+    code, ndim, *dims = head.unpack_from(data)
+    shape = tuple(dims)
     info = _dtype_of(code)
-    nbytes = len(data) - start
+    nbytes = len(data) - head.size
     if nbytes != math.prod(shape) * info.itemsize:
         raise TransportError(
             f"inline tensor holds {nbytes} bytes, but {info.dtype} {shape} needs "
@@ -489,7 +496,10 @@ def _decode_inline_tensor(data: memoryview) -> torch.Tensor:
         return torch.empty(shape, dtype=info.dtype)
     # A private copy (the header's memory is read-only and shared): a bytearray is malloc'd, so
     # aligned for any element size.
-    t = torch.from_numpy(np.ndarray(shape, info.numpy, bytearray(data[start:])))
+    own = bytearray(data[head.size :])
+    if ndim == 1:  # the common case (token ids, positions): one call
+        return torch.frombuffer(own, dtype=info.dtype)
+    t = torch.from_numpy(np.ndarray(shape, info.numpy, own))
     return t if info.view is info.dtype else t.view(info.dtype)
 
 
