@@ -4,12 +4,14 @@ Three measurements in one run, all on this machine:
 
 1. ``latency``: round trips of our ``Ping``/``Pong`` and of a decode-step-sized
    ``StepRequest``/``StepReply`` (three small tensors and a dataclass, answered by one small
-   tensor) through our ``Link``/``Server``, over IPC and over TCP on loopback, against bare
+   tensor; the small tensors travel inside the header, so each way is one frame, as the raw
+   echo is) through our ``Link``/``Server``, over IPC and over TCP on loopback, against bare
    pyzmq DEALER/ROUTER echoing a 4-byte frame on the same transport (the floor). Both ends run
    in this process on one event loop (see ``mstar_async.transport._measure``). Figures are p50
    (and p90) over many round trips; the ratio ours/raw is taken within each repetition.
 2. ``throughput``: one-way transfer of a float32 tensor of 1 MB and 64 MB (8 MB in quick
-   mode) over IPC and TCP (send, receive, decode; best of a few), against plain memory copies
+   mode) over IPC and TCP (send, receive, decode; best of a few; each end with its own ZeroMQ
+   context and I/O thread, as two processes have), against plain memory copies
    on one thread: ``copy_`` into a buffer allocated once (the baseline; see below) and
    ``torch.clone`` (allocates, as a receive does). In-process the runtime hands a ``StepCall``
    over as a Python object: that is timed through an anyio memory stream (no bytes move, the

@@ -10,6 +10,7 @@
     ├── RequestError          a request failed; ``__cause__`` holds what went wrong inside it
     │   └── RequestCancelled  the request was cancelled before it finished
     ├── WorkerLost            a worker process died with requests in flight
+    ├── TensorNotHeld         a tensor handle outlived its tensor (request released, restart)
     ├── PlacementError        a placement names an unknown node or rank, or cannot connect a walk
     └── ModelNotFound         no model of that name is registered in the zoo
 
@@ -58,6 +59,11 @@ class RequestCancelled(RequestError):
 
 class WorkerLost(MstarError):
     """A worker process died while it had requests in flight; the message names its rank."""
+
+
+class TensorNotHeld(MstarError):
+    """A tensor handle names a tensor its worker no longer holds: the request was released, or
+    the worker restarted since the handle was made."""
 
 
 class PlacementError(MstarError):

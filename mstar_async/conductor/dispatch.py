@@ -6,9 +6,10 @@ from collections import defaultdict
 from typing import Any, Protocol
 
 import anyio
+import torch
 
 from mstar_async.placement import ReplicaRouter, ResolvedPlacement
-from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall
+from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 
 
 class RankExecutor(Protocol):
@@ -22,12 +23,21 @@ class RankExecutor(Protocol):
         """Tell ``rank`` that ``request_id`` is over; never raises."""
         ...
 
+    async def fetch_from(self, rank: int, ref: TensorRef) -> torch.Tensor:
+        """The tensor ``rank`` holds under ``ref``; cancel-safe."""
+        ...
+
 
 class PlacedExecutor:
     """A ``StepExecutor`` that routes each step by (walk, node) through a placement.
 
     A node placed on several ranks is a replica set: a request goes to the least loaded
     replica and stays there (its state lives on one rank).
+
+    Large step outputs stay on the worker that made them: a step's outputs may hold
+    :class:`~mstar_async.transport.TensorRef` handles, which later steps take as inputs as they
+    are (the worker running them resolves them); :meth:`fetch` brings one here where the
+    conductor must see the value itself.
     """
 
     def __init__(self, placement: ResolvedPlacement, ranks: RankExecutor) -> None:
@@ -74,6 +84,14 @@ class PlacedExecutor:
             dst,
             StepCall(rid, engine, IMPORT_OP, {"state": exported["state"]}, call.node, call.walk),
         )
+
+    async def fetch(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor behind ``ref``, from the worker that holds it. Cancel-safe.
+
+        Raises:
+            WorkerLost: that worker died; TensorNotHeld: it no longer holds the tensor.
+        """
+        return await self.ranks.fetch_from(ref.rank, ref)
 
     async def release(self, request_id: str) -> None:
         """Release the request on every rank it ran on; completes even when cancelled."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from mstar_async.transport import StepCall
+import torch
+
+from mstar_async.transport import StepCall, TensorRef
 
 
 class StepExecutor(Protocol):
@@ -21,3 +23,29 @@ class StepExecutor(Protocol):
         """The request is over: free what engines hold for it. Idempotent, never raises, and
         completes even when the caller is being cancelled."""
         ...
+
+
+@runtime_checkable
+class TensorFetcher(Protocol):
+    """An executor whose steps may answer with :class:`~mstar_async.transport.TensorRef`
+    handles (tensors left on workers), and that can bring one's tensor here."""
+
+    async def fetch(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor behind ``ref``; cancel-safe."""
+        ...
+
+
+async def materialize(executor: StepExecutor, value: Any) -> Any:
+    """``value``, or the tensor behind it when it is a handle: for the places where the
+    conductor must see a value itself (what a request program receives, a loop's ``until``
+    predicate, a chunk policy's input). Cancel-safe.
+
+    Raises:
+        WorkerLost, TensorNotHeld: the tensor could not be fetched.
+        TypeError: a handle from an executor that cannot fetch (a bug).
+    """
+    if not isinstance(value, TensorRef):
+        return value
+    if not isinstance(executor, TensorFetcher):
+        raise TypeError(f"{type(executor).__qualname__} returned a tensor handle it cannot fetch")
+    return await executor.fetch(value)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from mstar_async.conductor.executor import materialize
 from mstar_async.errors import RequestError, WalkInputError
 from mstar_async.graph import (
     Block,
@@ -234,20 +235,28 @@ class WalkRunner:
             await self._publish(PortRef(node.name, port), outputs[port], scope)
 
     async def _publish(self, ref: PortRef, value: Any, scope: _Scope) -> None:
+        # ``value`` may be a handle to a tensor left on a worker: steps take it as it is, and it
+        # is fetched only where the conductor itself needs the tensor (a policy, the program).
         search: _Scope | None = scope
         while search is not None:
             search.last[ref] = value
             search = search.parent
+        seen: Any = None  # the tensor behind a handle, once fetched
         for edge in self.plan.out_edges.get(ref, ()):
             target = scope.owner(edge.lca)
             if edge.streaming:
-                await target.senders[edge].send(_as_items(value))
+                seen = seen if seen is not None else await self._see(value)
+                await target.senders[edge].send(_as_items(seen))
             else:
                 target.cells[edge].set(value)
         if ref in self.plan.persisted_out:
             self.request.persisted[ref] = value
         if ref in self._outputs:
-            await self.out.send(WalkEvent(str(ref), value, scope.iteration))
+            seen = seen if seen is not None else await self._see(value)
+            await self.out.send(WalkEvent(str(ref), seen, scope.iteration))
+
+    async def _see(self, value: Any) -> Any:
+        return await materialize(self.request.executor, value)
 
     async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
         fixed: dict[PortRef, Any] = {}
@@ -272,7 +281,11 @@ class WalkRunner:
                 inner.close_now()
             carried = self._carry(loop, inner.last)
             if isinstance(loop, DynamicLoop):
-                outputs = {str(ref): value for ref, value in inner.last.items()}
+                executor = self.request.executor
+                outputs = {
+                    str(ref): await materialize(executor, value)
+                    for ref, value in inner.last.items()
+                }
                 if loop.until(LoopStep(iteration, outputs, self.params)):
                     return
 

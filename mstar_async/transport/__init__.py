@@ -14,6 +14,7 @@ processes the same message travels as a small typed header plus raw tensor frame
 from __future__ import annotations
 
 from mstar_async.transport.codec import (
+    INLINE_TENSOR_BYTES,
     SUPPORTED_DTYPES,
     TensorMeta,
     decode_value,
@@ -30,12 +31,13 @@ from mstar_async.transport.errors import (
     register_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall
+from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 from mstar_async.transport.wire import (
     ErrorInfo,
     FetchTensor,
     Hello,
     Message,
+    Peers,
     Ping,
     Pong,
     Release,
@@ -51,12 +53,14 @@ from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 __all__ = [
     "EXPORT_OP",
     "IMPORT_OP",
+    "INLINE_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
     "ErrorInfo",
     "FetchTensor",
     "Hello",
     "Link",
     "Message",
+    "Peers",
     "Ping",
     "Pong",
     "Release",
@@ -67,6 +71,7 @@ __all__ = [
     "StepReply",
     "StepRequest",
     "TensorMeta",
+    "TensorRef",
     "TensorReply",
     "TransportError",
     "ZmqHub",

@@ -177,11 +177,16 @@ async def measure_raw_latency(transport: str, iterations: int = 2000) -> dict[st
 
 async def measure_throughput(transport: str, nbytes: int, iterations: int = 5) -> dict[str, float]:
     """One-way tensor transfer (send, receive, decode) of ``nbytes``: best GB/s, and whether
-    the decoded tensor points into the received frame (zero-copy receive)."""
+    the decoded tensor points into the received frame (zero-copy receive).
+
+    The two ends open their sockets in separate hubs, so each has its own ZeroMQ context and
+    I/O thread, as a conductor and a worker in two processes do: with one shared I/O thread,
+    the sender's and the receiver's kernel copies would run one after the other on it.
+    """
     tensor = torch.ones(nbytes // 4, dtype=torch.float32)
-    with ZmqHub() as hub:
-        server = hub.bind(_endpoint(hub, transport))
-        link = hub.connect(server.endpoint, identity=b"bench")
+    with ZmqHub() as receiver, ZmqHub() as sender:
+        server = receiver.bind(_endpoint(receiver, transport))
+        link = sender.connect(server.endpoint, identity=b"bench")
         msg = StepRequest(1, "r", "e", "o", inputs={"x": tensor})
         zero_copy = True
 

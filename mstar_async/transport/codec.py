@@ -12,23 +12,31 @@ the other kinds are msgpack *ext* values:
 ==========  =========================================================================
 ext code    payload
 ==========  =========================================================================
-1 tensor    :class:`TensorMeta` ``[frame, dtype, shape]``; the bytes are buffer ``frame``
+1 tensor    little-endian ``int32 frame, uint8 dtype code, uint8 ndim, int64 dims[ndim]``;
+            the bytes are buffer ``frame``
 2 tuple     msgpack array of the items
 3 dataclass msgpack ``[registered name, [init field values in declaration order]]``
 4 set       msgpack array of the items
 5 frozenset msgpack array of the items
+6 inline    ``uint8 dtype code, uint8 ndim, int64 dims[ndim]`` then the tensor's bytes
 ==========  =========================================================================
 
-Copies. Encoding copies no tensor bytes: each buffer is a ``memoryview`` over the tensor's
-own storage (through ``Tensor.numpy()``, reinterpreted as a same-width integer type for dtypes
-numpy lacks, e.g. bfloat16 as int16). Only tensors that are not plain CPU memory are copied
-first: non-contiguous ones (``.contiguous()``), ones off the CPU (``.cpu()``) and ones with a
-lazy conjugate/negative bit. Decoding copies no tensor bytes either: the tensor is built over
-the received buffer (a numpy array over the buffer, then ``torch.from_numpy``) and holds a
-reference to it, so a ``zmq.Frame`` stays alive as long as any tensor made from it. Two cases
-copy on decode: a read-only buffer (``bytes``) is copied so that no tensor ever aliases
-immutable memory, and a buffer whose address is not a multiple of the element size (libzmq
-packs small messages into a shared receive buffer) is copied so that kernels see aligned data.
+Small tensors inline. A tensor of fewer than :data:`INLINE_TENSOR_BYTES` bytes (a decode
+step's token ids, positions, block table) travels inside the header (ext 6): a frame costs a
+``zmq.Frame`` on each side and a tensor built over foreign memory, several microseconds,
+while copying a few hundred bytes costs a fraction of one. Larger tensors travel as frames.
+
+Copies. Encoding copies no frame tensor's bytes: each buffer is a ``memoryview`` over the
+tensor's own storage (through ``Tensor.numpy()``, reinterpreted as a same-width integer type
+for dtypes numpy lacks, e.g. bfloat16 as int16). Only tensors that are not plain CPU memory
+are copied first: non-contiguous ones (``.contiguous()``), ones off the CPU (``.cpu()``) and
+ones with a lazy conjugate/negative bit. Decoding copies no frame tensor's bytes either: the
+tensor is built over the received buffer (a numpy array over the buffer, then
+``torch.from_numpy``) and holds a reference to it, so a ``zmq.Frame`` stays alive as long as
+any tensor made from it. Two cases copy on decode: a read-only buffer (``bytes``) is copied so
+that no tensor ever aliases immutable memory, and a buffer whose address is not a multiple of
+the element size is copied so that kernels see aligned data. Inline tensors are copied once
+each way (into the header, out of it into memory of their own).
 Over ZeroMQ, pyzmq itself copies frames smaller than ``zmq.COPY_THRESHOLD`` (64 KiB) on send,
 which is cheaper than sharing memory for small frames.
 
@@ -38,8 +46,10 @@ tensor in place after handing it to ``encode_value`` / a link's ``send``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +62,7 @@ import torch
 from mstar_async.transport.errors import TransportError
 
 __all__ = [
+    "INLINE_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
     "Buffer",
     "TensorMeta",
@@ -77,6 +88,12 @@ _EXT_TUPLE = 2
 _EXT_DATACLASS = 3
 _EXT_SET = 4
 _EXT_FROZENSET = 5
+_EXT_INLINE = 6
+
+#: Tensors of fewer bytes than this travel inside the msgpack header; larger ones as frames.
+#: Below it, a frame's fixed cost (a zmq.Frame each side, a tensor over a foreign buffer)
+#: outweighs copying the bytes into the header.
+INLINE_TENSOR_BYTES = 4096
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -157,6 +174,7 @@ class _WireType:
     cls: type[Any]
     name: str
     fields: tuple[str, ...]
+    positional: bool  # every init field can be passed by position (none is keyword-only)
 
 
 _TYPES_BY_CLASS: dict[type[Any], _WireType] = {}
@@ -192,8 +210,9 @@ def register_wire_type(cls: type[T], *, name: str | None = None) -> type[T]:
         raise ValueError(
             f"register_wire_type: {cls.__qualname__} is already registered as {known.name!r}"
         )
-    fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
-    entry = _WireType(cls, key, fields)
+    init = [f for f in dataclasses.fields(cls) if f.init]
+    positional = not any(f.kw_only for f in init)
+    entry = _WireType(cls, key, tuple(f.name for f in init), positional)
     _TYPES_BY_CLASS[cls] = entry
     _TYPES_BY_NAME[key] = entry
     return cls
@@ -221,32 +240,6 @@ def tensor_buffer(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
     """
     name, shape, buffer = _tensor_bytes(tensor)
     return TensorMeta(-1, name, shape), buffer
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
-    name = _DTYPE_NAME.get(tensor.dtype)
-    if name is None or tensor.layout != torch.strided:
-        raise TransportError(
-            f"cannot send a tensor of dtype {tensor.dtype} and layout {tensor.layout}; "
-            f"supported: strided tensors of {', '.join(_DTYPES)}"
-        )
-    # Each step below is skipped for the common tensor (CPU, contiguous, no grad): this runs
-    # for every tensor of every step, and each torch call costs about a microsecond.
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if not t.is_cpu:
-        try:
-            t = t.cpu()  # a copy; the receiver gets a CPU tensor and places it itself
-        except (NotImplementedError, RuntimeError) as exc:
-            raise TransportError(f"cannot send a tensor on {t.device}: {exc}") from exc
-    if not t.is_contiguous():
-        t = t.contiguous()
-    view = _DTYPES[name].view
-    try:
-        array = (t if view is t.dtype else t.view(view)).numpy()
-    except RuntimeError:  # a lazy conjugate or negative bit; numpy() refuses those
-        t = t.resolve_conj().resolve_neg()
-        array = (t if view is t.dtype else t.view(view)).numpy()
-    return name, tuple(t.shape), array.data
 
 
 def tensor_from_buffer(
@@ -289,8 +282,31 @@ def tensor_from_buffer(
 # encoding
 
 _encoder = msgspec.msgpack.Encoder()
-_meta_encoder = msgspec.msgpack.Encoder()
 _Ext = msgspec.msgpack.Ext
+
+# Stable dtype codes for the wire: positions in the full name list, whether or not this torch
+# build has the dtype, so two builds that both have one agree on its code.
+_CODE_OF: dict[str, int] = {name: i for i, name in enumerate(_NUMPY_NATIVE + _VIA_INTEGER)}
+_BY_CODE: dict[int, _DType] = {_CODE_OF[name]: info for name, info in _DTYPES.items()}
+# (frame index, dtype code, ndim) then ndim int64 dims; inline tensors drop the frame index.
+_FRAME_HEAD = struct.Struct("<iBB")
+_DIMS: dict[int, struct.Struct] = {}
+_INLINE_HEADS: dict[int, struct.Struct] = {}  # ndim -> (dtype code, ndim, dims), one call
+_SCALARS = frozenset({type(None), str, int, float, bool, bytes})
+
+
+def _dims(ndim: int) -> struct.Struct:
+    packer = _DIMS.get(ndim)
+    if packer is None:
+        packer = _DIMS[ndim] = struct.Struct(f"<{ndim}q")
+    return packer
+
+
+def _inline_head(ndim: int) -> struct.Struct:
+    packer = _INLINE_HEADS.get(ndim)
+    if packer is None:
+        packer = _INLINE_HEADS[ndim] = struct.Struct(f"<BB{ndim}q")
+    return packer
 
 
 def _unsupported(value: object) -> TransportError:
@@ -303,52 +319,118 @@ def _unsupported(value: object) -> TransportError:
     )
 
 
+def _plain(tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The dtype name and a contiguous CPU tensor with no lazy bits holding ``tensor``'s
+    values: ``tensor`` itself in the common case, else a copy."""
+    name = _DTYPE_NAME.get(tensor.dtype)
+    if name is None or tensor.layout != torch.strided:
+        raise TransportError(
+            f"cannot send a tensor of dtype {tensor.dtype} and layout {tensor.layout}; "
+            f"supported: strided tensors of {', '.join(_DTYPES)}"
+        )
+    # Each step below is skipped for the common tensor (CPU, contiguous, no grad): this runs
+    # for every tensor of every step, and each torch call costs about a microsecond.
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
+        try:
+            t = t.cpu()  # a copy; the receiver gets a CPU tensor and places it itself
+        except (NotImplementedError, RuntimeError) as exc:
+            raise TransportError(f"cannot send a tensor on {t.device}: {exc}") from exc
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        # Through the same-width integer type: torch cannot copy some dtypes (float4) itself.
+        view = _DTYPES[name].view
+        t = t.contiguous() if view is t.dtype else t.view(view).contiguous().view(t.dtype)
+    return name, t
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
+    name, t = _plain(tensor)
+    view = _DTYPES[name].view
+    array = (t if view is t.dtype else t.view(view)).numpy()
+    return name, tuple(t.shape), array.data
+
+
 def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpack.Ext:
-    name, shape, buffer = _tensor_bytes(tensor)
-    frame = -1
-    if buffer.nbytes:
-        frame = len(buffers)
-        buffers.append(buffer)
-    return _Ext(_EXT_TENSOR, _meta_encoder.encode(TensorMeta(frame, name, shape)))
+    name, t = _plain(tensor)
+    shape = t.shape
+    ndim = len(shape)
+    nbytes = t.nbytes
+    if nbytes < INLINE_TENSOR_BYTES:
+        # One copy of a few bytes into the header beats a frame: each frame costs a zmq.Frame
+        # and a tensor over it on the other side, several microseconds.
+        head = _inline_head(ndim).pack(_CODE_OF[name], ndim, *shape)
+        return _Ext(_EXT_INLINE, head + ctypes.string_at(t.data_ptr(), nbytes))
+    view = _DTYPES[name].view
+    buffers.append((t if view is t.dtype else t.view(view)).numpy().data)
+    head = _FRAME_HEAD.pack(len(buffers) - 1, _CODE_OF[name], ndim)
+    return _Ext(_EXT_TENSOR, head + _dims(ndim).pack(*shape))
+
+
+def _encode_list(value: list[Any], buffers: list[Buffer]) -> Any:
+    return [to_wire(item, buffers) for item in value]
+
+
+def _encode_dict(value: dict[Any, Any], buffers: list[Buffer]) -> Any:
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if type(key) is not str:
+            raise TransportError(
+                f"cannot send a dict with a key of type {type(key).__qualname__} "
+                f"({key!r}); dict keys must be str"
+            )
+        out[key] = to_wire(item, buffers)
+    return out
+
+
+def _encode_tuple(value: tuple[Any, ...], buffers: list[Buffer]) -> Any:
+    return _Ext(_EXT_TUPLE, _encode([to_wire(item, buffers) for item in value]))
+
+
+def _encode_set(value: set[Any], buffers: list[Buffer]) -> Any:
+    return _Ext(_EXT_SET, _encode([to_wire(item, buffers) for item in value]))
+
+
+def _encode_frozenset(value: frozenset[Any], buffers: list[Buffer]) -> Any:
+    return _Ext(_EXT_FROZENSET, _encode([to_wire(item, buffers) for item in value]))
+
+
+_ENCODERS: dict[type[Any], Callable[[Any, list[Buffer]], Any]] = {
+    dict: _encode_dict,
+    list: _encode_list,
+    torch.Tensor: _encode_tensor,
+    tuple: _encode_tuple,
+    set: _encode_set,
+    frozenset: _encode_frozenset,
+}
 
 
 def to_wire(value: Any, buffers: list[Buffer]) -> Any:
     """``value`` as a tree msgspec can encode: tensors and non-msgpack kinds become ext values.
 
-    Tensor buffers are appended to ``buffers`` (their index goes in the header); use this to
-    embed a value tree in a larger msgspec message, as :mod:`mstar_async.transport.wire` does.
+    Tensors of at least :data:`INLINE_TENSOR_BYTES` append their buffer to ``buffers`` (the
+    index goes in the header); smaller ones travel inside the header. Use this to embed a value
+    tree in a larger msgspec message, as :mod:`mstar_async.transport.wire` does.
 
     Raises:
         TransportError: a value of a type that cannot travel (the message names the type and
             how to register it), or a dict key that is not a str.
     """
     tp = type(value)
-    if value is None or tp is str or tp is int or tp is float or tp is bool or tp is bytes:
+    if tp in _SCALARS:
         return value
-    if tp is dict:
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            if type(key) is not str:
-                raise TransportError(
-                    f"cannot send a dict with a key of type {type(key).__qualname__} "
-                    f"({key!r}); dict keys must be str"
-                )
-            out[key] = to_wire(item, buffers)
-        return out
-    if tp is list:
-        return [to_wire(item, buffers) for item in value]
-    if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, buffers)
-    if tp is tuple:
-        return _Ext(_EXT_TUPLE, _encode([to_wire(item, buffers) for item in value]))
+    encode = _ENCODERS.get(tp)
+    if encode is not None:
+        return encode(value, buffers)
     wire_type = _TYPES_BY_CLASS.get(tp)
     if wire_type is not None:
         fields = [to_wire(getattr(value, f), buffers) for f in wire_type.fields]
         return _Ext(_EXT_DATACLASS, _encode([wire_type.name, fields]))
-    if tp is frozenset:
-        return _Ext(_EXT_FROZENSET, _encode([to_wire(item, buffers) for item in value]))
-    if tp is set:
-        return _Ext(_EXT_SET, _encode([to_wire(item, buffers) for item in value]))
+    if isinstance(value, torch.Tensor):  # a subclass, e.g. nn.Parameter
+        return _encode_tensor(value, buffers)
     raise _unsupported(value)
 
 
@@ -361,7 +443,8 @@ def _encode(tree: Any) -> bytes:
 
 
 def encode_value(value: Any) -> tuple[bytes, list[Buffer]]:
-    """Encode a value tree as ``(header, buffers)``; tensors' bytes are the buffers, uncopied.
+    """Encode a value tree as ``(header, buffers)``: small tensors inside the header, the bytes
+    of the others as the buffers, uncopied.
 
     Send it as the multipart message ``[header, *buffers]``. Synchronous, no I/O.
 
@@ -379,22 +462,52 @@ def encode_value(value: Any) -> tuple[bytes, list[Buffer]]:
 # and building a Decoder per message costs more than the whole header. Per thread, saved and
 # restored around each decode so nested and concurrent (threaded) decodes stay apart.
 _current = threading.local()
-_meta_decoder = msgspec.msgpack.Decoder(TensorMeta)
+
+
+def _dtype_of(code: int) -> _DType:
+    info = _BY_CODE.get(code)
+    if info is None:
+        raise TransportError(f"unknown tensor dtype code {code} in a message")
+    return info
+
+
+def _decode_frame_tensor(data: memoryview) -> torch.Tensor:
+    frame, code, ndim = _FRAME_HEAD.unpack_from(data)
+    shape = _dims(ndim).unpack_from(data, _FRAME_HEAD.size)
+    info = _dtype_of(code)
+    buffers: Sequence[Buffer] = _current.buffers
+    if not 0 <= frame < len(buffers):
+        raise TransportError(f"message refers to tensor frame {frame} but carries {len(buffers)}")
+    return tensor_from_buffer(buffers[frame], info.dtype, shape)
+
+
+def _decode_inline_tensor(data: memoryview) -> torch.Tensor:
+    head = _inline_head(data[1])
+    code, ndim, *dims = head.unpack_from(data)
+    shape = tuple(dims)
+    info = _dtype_of(code)
+    nbytes = len(data) - head.size
+    if nbytes != math.prod(shape) * info.itemsize:
+        raise TransportError(
+            f"inline tensor holds {nbytes} bytes, but {info.dtype} {shape} needs "
+            f"{math.prod(shape) * info.itemsize}"
+        )
+    if nbytes == 0:
+        return torch.empty(shape, dtype=info.dtype)
+    # A private copy (the header's memory is read-only and shared): a bytearray is malloc'd, so
+    # aligned for any element size.
+    own = bytearray(data[head.size :])
+    if ndim == 1:  # the common case (token ids, positions): one call
+        return torch.frombuffer(own, dtype=info.dtype)
+    t = torch.from_numpy(np.ndarray(shape, info.numpy, own))
+    return t if info.view is info.dtype else t.view(info.dtype)
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_INLINE:
+        return _decode_inline_tensor(data)
     if code == _EXT_TENSOR:
-        meta = _meta_decoder.decode(data)
-        if meta.frame < 0:
-            return tensor_from_buffer(b"", meta.dtype, meta.shape)
-        buffers: Sequence[Buffer] = _current.buffers
-        if meta.frame >= len(buffers):
-            raise TransportError(
-                f"message refers to tensor frame {meta.frame} but carries {len(buffers)}"
-            )
-        return tensor_from_buffer(buffers[meta.frame], meta.dtype, meta.shape)
-    if code == _EXT_TUPLE:
-        return tuple(_value_decoder.decode(data))
+        return _decode_frame_tensor(data)
     if code == _EXT_DATACLASS:
         name, values = _value_decoder.decode(data)
         wire_type = _TYPES_BY_NAME.get(name)
@@ -403,7 +516,16 @@ def _ext_hook(code: int, data: memoryview) -> Any:
                 f"message carries a {name!r}, which is not registered here; call "
                 "mstar_async.transport.register_wire_type(cls) in this process too"
             )
+        if len(values) != len(wire_type.fields):
+            raise TransportError(
+                f"message carries {len(values)} fields for {name!r}, which has "
+                f"{len(wire_type.fields)}; both sides must run the same code"
+            )
+        if wire_type.positional:  # a third faster than building keyword arguments
+            return wire_type.cls(*values)
         return wire_type.cls(**dict(zip(wire_type.fields, values, strict=True)))
+    if code == _EXT_TUPLE:
+        return tuple(_value_decoder.decode(data))
     if code == _EXT_SET:
         return set(_value_decoder.decode(data))
     if code == _EXT_FROZENSET:
@@ -428,7 +550,7 @@ def decode_wire(decode: Callable[[Buffer], T], header: Buffer, buffers: Sequence
         return decode(header)
     except TransportError:
         raise
-    except (msgspec.DecodeError, TypeError, ValueError) as exc:
+    except (msgspec.DecodeError, TypeError, ValueError, struct.error) as exc:
         raise TransportError(f"malformed message: {exc}") from exc
     finally:
         _current.buffers = saved
@@ -437,8 +559,8 @@ def decode_wire(decode: Callable[[Buffer], T], header: Buffer, buffers: Sequence
 def decode_value(header: Buffer, buffers: Sequence[Buffer]) -> Any:
     """Rebuild the value tree that :func:`encode_value` encoded.
 
-    Tensors share memory with ``buffers`` (see the module notes for the two cases that copy).
-    Synchronous, no I/O.
+    Tensors from frames share memory with ``buffers`` (see the module notes for the two cases
+    that copy); tensors from the header own a copy. Synchronous, no I/O.
 
     Raises:
         TransportError: see :func:`decode_wire`.

@@ -28,3 +28,29 @@ class StepCall:
     inputs: Mapping[str, Any]
     node: str = ""
     walk: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor that stays on the worker that made it: which rank holds it, under which key.
+
+    A worker keeps a step's large output tensors in its tensor store and replies with these
+    handles instead of the bytes; the conductor forwards a handle as the input of a later step,
+    and the worker that runs that step resolves it: from its own store when it holds the
+    tensor, else by fetching it from ``rank`` over a direct worker-to-worker link. ``shape``
+    and ``dtype`` (a torch dtype name, ``"float32"``) describe the tensor without its bytes.
+    A handle is valid until its request is released on ``rank`` (or that worker restarts).
+    """
+
+    rank: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        """How many elements the tensor has."""
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n

@@ -15,8 +15,10 @@ Conversation (the lead wires it up):
 - conductor -> worker: :class:`StepRequest` (reply: :class:`StepReply` with the same ``id``),
   :class:`Release` (forget a request's state), :class:`Ping` (reply: :class:`Pong`),
   :class:`Shutdown`;
-- worker -> worker (placeholder for pulling KV pages and big tensors): :class:`FetchTensor`,
-  answered by :class:`TensorReply`.
+- conductor -> worker: :class:`Peers` (every rank's worker-to-worker endpoint, sent whenever a
+  rank says ``Hello``);
+- worker -> worker, and conductor -> worker: :class:`FetchTensor` (the tensor behind a
+  :class:`~mstar_async.transport.messages.TensorRef`), answered by :class:`TensorReply`.
 """
 
 from __future__ import annotations
@@ -28,20 +30,27 @@ from typing import Any, ClassVar
 import msgspec
 
 from mstar_async.errors import MstarError
-from mstar_async.transport.codec import Buffer, decode_wire, ext_hook, to_wire
+from mstar_async.transport.codec import (
+    Buffer,
+    decode_wire,
+    ext_hook,
+    register_wire_type,
+    to_wire,
+)
 from mstar_async.transport.errors import (
     RemoteError,
     TransportError,
     lookup_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import StepCall
+from mstar_async.transport.messages import StepCall, TensorRef
 
 __all__ = [
     "ErrorInfo",
     "FetchTensor",
     "Hello",
     "Message",
+    "Peers",
     "Ping",
     "Pong",
     "Release",
@@ -98,12 +107,22 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Hello(_Msg, frozen=True, tag="hello", gc=False):
-    """A worker is up: its rank, process id, the endpoint it serves and the engines it runs."""
+    """A worker is up: its rank, process id, the endpoint it serves and the engines it runs.
+
+    ``peer_endpoint`` is where other workers fetch the tensors it holds ("" when it holds none).
+    """
 
     rank: int
     pid: int
     endpoint: str
     engines: list[str]
+    peer_endpoint: str = ""
+
+
+class Peers(_Msg, frozen=True, tag="peers", gc=False):
+    """Where each rank's worker serves its tensor store to other workers: rank -> endpoint."""
+
+    endpoints: dict[int, str]
 
 
 class StepRequest(_Msg, frozen=True, tag="step"):
@@ -174,16 +193,15 @@ class Ping(_Msg, frozen=True, tag="ping", gc=False):
 
 
 class Pong(_Msg, frozen=True, tag="pong", gc=False):
-    """Answer to :class:`Ping` ``id``."""
+    """Answer to :class:`Ping` ``id``, with the worker's counters (e.g. ``tensors_held``)."""
 
     id: int = 0
+    stats: dict[str, int] = {}
 
 
 class FetchTensor(_Msg, frozen=True, tag="fetch", gc=False):
-    """Ask a worker for the tensor it holds under ``ref_id`` (worker-to-worker pull).
-
-    A placeholder for moving KV pages and large activations directly between workers.
-    """
+    """Ask a worker for the tensor it holds under ``ref_id`` (a ``TensorRef.key``); ``id``
+    matches the :class:`TensorReply`."""
 
     ref_id: str
     id: int = 0
@@ -201,12 +219,22 @@ class TensorReply(_Msg, frozen=True, tag="tensor"):
 
 
 Message = (
-    Hello | StepRequest | StepReply | Release | Shutdown | Ping | Pong | FetchTensor | TensorReply
+    Hello
+    | Peers
+    | StepRequest
+    | StepReply
+    | Release
+    | Shutdown
+    | Ping
+    | Pong
+    | FetchTensor
+    | TensorReply
 )
 """Every message kind; ``decode_message`` returns one of these."""
 
 _MESSAGE_TYPES = (
     Hello,
+    Peers,
     StepRequest,
     StepReply,
     Release,
@@ -216,6 +244,7 @@ _MESSAGE_TYPES = (
     FetchTensor,
     TensorReply,
 )
+register_wire_type(TensorRef, name="mstar.TensorRef")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message, ext_hook=ext_hook())
 

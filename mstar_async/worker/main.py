@@ -20,18 +20,21 @@ import torch
 from mstar_async.graph import ModelSource
 from mstar_async.logs import configure_logging, get_logger
 from mstar_async.transport import (
+    FetchTensor,
     Hello,
     Link,
+    Peers,
     Ping,
     Pong,
     Release,
     Shutdown,
-    StepReply,
     StepRequest,
     ZmqHub,
 )
 from mstar_async.worker.batching import BatchingLoop
 from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
+from mstar_async.worker.tensor_links import WorkerTensors, bind_peer_endpoint
+from mstar_async.worker.tensor_store import TensorStore
 from mstar_async.worker.wire_types import register_wire_types
 
 CONFIG_VARIABLE = "MSTAR_WORKER_CONFIG"
@@ -90,35 +93,44 @@ async def serve(config: WorkerConfig) -> None:
     batching = BatchingLoop(engines, max_batch_tokens=config.max_batch_tokens)
     with ZmqHub() as hub:
         link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
+        peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint)
+        tensors = WorkerTensors(hub, TensorStore(config.rank, config.generation))
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)
             if config.parent_pid > 0:
                 tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
-            await link.send(Hello(config.rank, os.getpid(), config.endpoint, sorted(engines)))
+            tg.start_soon(tensors.serve, peer_server)
+            hello = Hello(config.rank, os.getpid(), config.endpoint, sorted(engines), peer_endpoint)
+            await link.send(hello)
             log.info("worker.ready", rank=config.rank, engines=sorted(engines))
-            await _serve_messages(link, batching, tg)
+            await _serve_messages(link, batching, tensors, tg)
             tg.cancel_scope.cancel()
 
 
-async def _serve_messages(link: Link, batching: BatchingLoop, tg: Any) -> None:
+async def _serve_messages(
+    link: Link, batching: BatchingLoop, tensors: WorkerTensors, tg: Any
+) -> None:
     while True:
         message = await link.recv()
         if isinstance(message, StepRequest):
-            tg.start_soon(_run_step, link, batching, message)
+            tg.start_soon(_run_step, link, batching, tensors, message)
         elif isinstance(message, Release):
+            tensors.store.release(message.request_id)
             tg.start_soon(batching.release, message.request_id)
+        elif isinstance(message, FetchTensor):
+            await link.send(tensors.answer(message))
+        elif isinstance(message, Peers):
+            tensors.set_peers(message.endpoints)
         elif isinstance(message, Ping):
-            await link.send(Pong(message.id))
+            await link.send(Pong(message.id, tensors.stats()))
         elif isinstance(message, Shutdown):
             return
 
 
-async def _run_step(link: Link, batching: BatchingLoop, request: StepRequest) -> None:
-    try:
-        reply = StepReply(request.id, await batching.submit(request.to_call()))
-    except Exception as exc:  # the step's failure travels back to the conductor
-        reply = StepReply.failed(request.id, exc)
-    await link.send(reply)
+async def _run_step(
+    link: Link, batching: BatchingLoop, tensors: WorkerTensors, request: StepRequest
+) -> None:
+    await link.send(await tensors.run_step(batching.submit, request))
 
 
 async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:

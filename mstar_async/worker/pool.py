@@ -13,28 +13,36 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import anyio
+import torch
 from anyio.abc import TaskGroup
 
-from mstar_async.errors import MstarError, WorkerLost
+from mstar_async.errors import WorkerLost
 from mstar_async.graph import ModelSource
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
+    FetchTensor,
     Hello,
+    Message,
+    Peers,
+    Ping,
+    Pong,
     Release,
     Server,
     Shutdown,
     StepCall,
     StepReply,
     StepRequest,
+    TensorRef,
+    TensorReply,
     TransportError,
     ZmqHub,
-    encode_message,
+    decode_message,
 )
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
@@ -48,7 +56,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.done = anyio.Event()
-        self.outputs: dict[str, Any] | None = None
+        self.outputs: Any = None
         self.error: BaseException | None = None
 
 
@@ -62,6 +70,7 @@ class _Rank:
     in_flight: dict[int, _Waiter] = field(default_factory=dict)
     restarts: int = 0
     down: str = ""  # why the rank was not restarted
+    peer_endpoint: str = ""
 
     @property
     def identity(self) -> bytes:
@@ -121,6 +130,9 @@ class WorkerPool:
         self._endpoint = ""
         self._tg: TaskGroup | None = None
         self._closing = False
+        self.bytes_received = 0
+        """Bytes of every message workers sent this process (headers and tensor frames): what
+        crossed into the conductor. Tensors kept on workers (handles) do not count here."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -258,27 +270,79 @@ class WorkerPool:
         assert self._server is not None
         by_identity: dict[bytes, _Rank] = {}
         while True:
-            peer, message = await self._server.recv()
+            peer, frames = await self._server.recv_frames()
+            self.bytes_received += sum(len(f) for f in frames)
+            try:
+                message = decode_message(frames)
+            except TransportError as exc:
+                log.warning("pool.bad_message", error=str(exc))
+                continue
             if isinstance(message, Hello):
                 hello = self.ranks[message.rank]
                 if peer == hello.identity:
                     by_identity[peer] = hello
+                    hello.peer_endpoint = message.peer_endpoint
+                    await self._send_peers(by_identity)
                     hello.ready.set()
                 continue
             sender = by_identity.get(peer)
-            if sender is None or not isinstance(message, StepReply):
+            if sender is None or not isinstance(message, StepReply | TensorReply | Pong):
                 continue
             waiter = sender.in_flight.pop(message.id, None)
             if waiter is None:
                 continue  # its submitter was cancelled
+            self._answer(waiter, message)
+
+    @staticmethod
+    def _answer(waiter: _Waiter, message: StepReply | TensorReply | Pong) -> None:
+        if isinstance(message, Pong):
+            waiter.outputs = message.stats
+        elif message.error is not None:
+            waiter.error = message.error.to_exception()
+        else:
+            waiter.outputs = message.outputs if isinstance(message, StepReply) else message.value
+        waiter.done.set()
+
+    async def _send_peers(self, ready: Mapping[bytes, _Rank]) -> None:
+        # Every worker that is up learns every peer endpoint, whenever one (re)starts.
+        assert self._server is not None
+        peers = Peers({s.rank: s.peer_endpoint for s in ready.values() if s.peer_endpoint})
+        for peer, state in ready.items():
+            if peer == state.identity:
+                try:
+                    await self._server.send(peer, peers)
+                except TransportError:
+                    pass  # gone: its supervisor restarts it, and the next Hello sends again
+
+    async def _ask(self, rank: int, build: Callable[[int], Message]) -> Any:
+        """Send ``build(id)`` to ``rank`` and wait for the reply with that id."""
+        state = self.ranks[rank]
+        with anyio.fail_after(self.ready_timeout):
+            await state.ready.wait()
+        if state.worker is None or state.worker.returncode is not None:
+            why = f": {state.down}" if state.down else ""
+            raise WorkerLost(f"worker rank {rank} is down{why}")
+        assert self._server is not None
+        message_id = next(self._ids)
+        waiter = _Waiter()
+        state.in_flight[message_id] = waiter
+        try:
             try:
-                waiter.outputs = message.result()
-            except MstarError as exc:
-                waiter.error = exc
-            waiter.done.set()
+                await self._server.send(state.identity, build(message_id))
+            except TransportError as exc:
+                # The worker's connection is gone before its end is known (a remote worker is
+                # known lost only when its heartbeats stop): it is lost for this message too.
+                raise WorkerLost(f"worker rank {rank} is unreachable: {exc}") from exc
+            await waiter.done.wait()
+        finally:
+            state.in_flight.pop(message_id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.outputs
 
     async def submit_to(self, rank: int, call: StepCall) -> dict[str, Any]:
-        """Run ``call`` on ``rank``'s worker and return its outputs.
+        """Run ``call`` on ``rank``'s worker and return its outputs; large output tensors come
+        back as :class:`~mstar_async.transport.TensorRef` handles (see :meth:`fetch_from`).
 
         Cancel-safe: a cancelled step's reply is dropped when it comes.
 
@@ -287,31 +351,32 @@ class WorkerPool:
                 connection is gone.
             MstarError: what the step raised on the worker (its class kept where known).
         """
-        state = self.ranks[rank]
-        with anyio.fail_after(self.ready_timeout):
-            await state.ready.wait()
-        if state.worker is None or state.worker.returncode is not None:
-            why = f": {state.down}" if state.down else ""
-            raise WorkerLost(f"worker rank {rank} is down{why}")
-        assert self._server is not None
-        step_id = next(self._ids)
-        waiter = _Waiter()
-        state.in_flight[step_id] = waiter
-        try:
-            frames = encode_message(StepRequest.from_call(step_id, call))
-            try:
-                await self._server.send_frames(state.identity, frames)
-            except TransportError as exc:
-                # The worker's connection is gone before its end is known (a remote worker is
-                # known lost only when its heartbeats stop): it is lost for this step too.
-                raise WorkerLost(f"worker rank {rank} is unreachable: {exc}") from exc
-            await waiter.done.wait()
-        finally:
-            state.in_flight.pop(step_id, None)
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.outputs is not None
-        return waiter.outputs
+        outputs: dict[str, Any] = await self._ask(rank, lambda i: StepRequest.from_call(i, call))
+        return outputs
+
+    async def fetch_from(self, rank: int, ref: TensorRef) -> torch.Tensor:
+        """The tensor behind ``ref``, fetched from ``rank``'s worker into this process.
+
+        Cancel-safe: a cancelled fetch's reply is dropped when it comes.
+
+        Raises:
+            WorkerLost: the worker died (or is restarting).
+            TensorNotHeld: the worker no longer holds it (request released, worker restarted).
+        """
+        value = await self._ask(rank, lambda i: FetchTensor(ref.key, i))
+        if not isinstance(value, torch.Tensor):
+            raise TransportError(f"rank {rank} answered tensor {ref.key!r} with no tensor")
+        return value
+
+    async def worker_stats(self, rank: int) -> dict[str, int]:
+        """``rank``'s worker counters (``tensors_held``, ``tensor_bytes_held``, ...), asked
+        over the wire, so all it did before is counted. Cancel-safe.
+
+        Raises:
+            WorkerLost: the worker died (or is restarting).
+        """
+        stats: dict[str, int] = await self._ask(rank, Ping)
+        return stats
 
     async def release_on(self, rank: int, request_id: str) -> None:
         """Tell ``rank``'s worker that ``request_id`` is over. Never raises."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -13,11 +14,13 @@ import pytest
 import torch
 import zmq
 from hypothesis import given
+from hypothesis import strategies as st
 
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import MstarError
 from mstar_async.policies import Chunk
 from mstar_async.transport import (
+    INLINE_TENSOR_BYTES,
     SUPPORTED_DTYPES,
     TransportError,
     decode_value,
@@ -123,6 +126,58 @@ def test_header_is_small_and_tensors_are_not_in_it() -> None:
     assert [b.nbytes for b in buffers] == [1 << 18]
 
 
+@st.composite
+def tensors_near_the_inline_threshold(draw: st.DrawFn) -> torch.Tensor:
+    """Tensors of every dtype whose size is within a few elements of the inline threshold,
+    1-D or 2-D, contiguous or a transposed view, with random bits (NaN payloads included)."""
+    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    around = INLINE_TENSOR_BYTES // dtype.itemsize
+    numel = draw(st.integers(around - 3, around + 3))
+    bits = torch.Generator().manual_seed(draw(st.integers(0, 2**32)))
+    high = 2 if dtype == torch.bool else 256
+    raw = torch.randint(0, high, (numel * dtype.itemsize,), dtype=torch.uint8, generator=bits)
+    flat = raw.view(dtype)
+    if draw(st.booleans()) and numel % 2 == 0:
+        return flat.reshape(2, numel // 2).t()
+    return flat
+
+
+@pytest.mark.filterwarnings(COMPLEX_HALF_WARNING)
+@PROPERTY
+@given(tensors_near_the_inline_threshold())
+def test_tensors_inline_below_the_threshold_and_frame_from_it(tensor: torch.Tensor) -> None:
+    header, buffers = encode_value({"x": tensor})
+    inline = tensor.numel() * tensor.dtype.itemsize < INLINE_TENSOR_BYTES
+    assert len(buffers) == (0 if inline else 1)
+    assert (len(header) > INLINE_TENSOR_BYTES // 2) == inline
+    assert_same(tensor, decode_value(header, [bytearray(b) for b in buffers])["x"])
+    if inline:  # a tensor from the header owns its memory: writing it leaves the header alone
+        decode_value(header, [])["x"].view(torch.uint8).fill_(1)
+        assert_same(tensor, decode_value(header, [])["x"])
+
+
+def test_decode_step_inputs_travel_in_the_header_alone() -> None:
+    inputs = {
+        "tokens": torch.arange(8, dtype=torch.int64),
+        "positions": torch.arange(100, 108, dtype=torch.int64),
+        "block_table": torch.arange(16, dtype=torch.int32).reshape(1, 16),
+        "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3, dtype=torch.float16),
+    }
+    header, buffers = encode_value(inputs)
+    assert buffers == []
+    assert len(header) < 194 + 128  # the 194 bytes of data, names and a few per tensor
+    assert_same(inputs, decode_value(bytes(header), []))
+
+
+def test_inline_tensor_with_wrong_size_is_refused() -> None:
+    header, _ = encode_value(torch.arange(4, dtype=torch.int32))
+    ext = msgspec.msgpack.decode(header)  # the codec's ext value, undecoded
+    short = msgspec.msgpack.encode(msgspec.msgpack.Ext(ext.code, bytes(ext.data)[:-4]))
+    with pytest.raises(TransportError, match="inline tensor holds 12 bytes"):
+        decode_value(short, [])
+
+
 # ---- zero copy ------------------------------------------------------------------------------
 
 
@@ -157,7 +212,7 @@ def test_decode_shares_memory_with_a_writable_frame() -> None:
 
 
 def test_in_process_decode_aliases_the_original() -> None:
-    tensor = torch.arange(100, dtype=torch.int64)
+    tensor = torch.arange(INLINE_TENSOR_BYTES // 8, dtype=torch.int64)
     out = round_trip(tensor)
     assert out.data_ptr() == tensor.data_ptr()
 
@@ -270,28 +325,26 @@ def _name_of(cls: type) -> str:
     return next(name for name, known in registered_wire_types().items() if known is cls)
 
 
+INT64 = 5  # the wire code of int64
+
+
+def _frame_tensor(frame: int, code: int, shape: tuple[int, ...]) -> bytes:
+    """A header holding one frame-tensor ext value, laid out by hand as the codec lays it."""
+    payload = struct.pack(f"<iBB{len(shape)}q", frame, code, len(shape), *shape)
+    return msgspec.msgpack.encode(msgspec.msgpack.Ext(1, payload))
+
+
 @pytest.mark.parametrize(
     "header, buffers, match",
     [
         (b"\xc1", [], "malformed"),
         (msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"")), [], "ext code 9"),
-        (
-            msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x93\x03\xa5int64\x91\x02")),
-            [],
-            "frame 3",
-        ),
-        (
-            msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x93\x00\xa4int9\x91\x02")),
-            [b"x"],
-            "dtype",
-        ),
-        (
-            msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x93\x00\xa5int64\x91\x02")),
-            [b"x"],
-            "bytes",
-        ),
+        (_frame_tensor(3, INT64, (2,)), [], "frame 3"),
+        (_frame_tensor(0, 250, (2,)), [b"x"], "dtype code 250"),
+        (_frame_tensor(0, INT64, (2,)), [b"x"], "bytes"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x00\x01")), [], "malformed"),
     ],
-    ids=["garbage", "unknown-ext", "missing-frame", "bad-dtype", "short-frame"],
+    ids=["garbage", "unknown-ext", "missing-frame", "bad-dtype", "short-frame", "truncated"],
 )
 def test_malformed_input_is_a_transport_error(
     header: bytes, buffers: list[bytes], match: str

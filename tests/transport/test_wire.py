@@ -17,6 +17,7 @@ from mstar_async.transport import (
     FetchTensor,
     Hello,
     Message,
+    Peers,
     Ping,
     Pong,
     Release,
@@ -25,6 +26,7 @@ from mstar_async.transport import (
     StepCall,
     StepReply,
     StepRequest,
+    TensorRef,
     TensorReply,
     TransportError,
     decode_message,
@@ -43,6 +45,10 @@ def round_trip(msg: Message) -> Message:
 
 PLAIN = [
     Hello(rank=2, pid=1234, endpoint="ipc:///tmp/x/s0", engines=["llm", "codec"]),
+    Hello(2, 1234, "tcp://10.0.0.1:5000", ["llm"], peer_endpoint="tcp://10.0.0.2:6000"),
+    Peers({0: "ipc:///tmp/a/s1", 3: "tcp://10.0.0.2:6000"}),
+    Pong(7, {"tensors_held": 2}),
+    StepReply(4, {"h": TensorRef(1, "2.17", (8, 4096), "bfloat16"), "n": 3}),
     Release("req-1"),
     Shutdown(),
     Ping(7),
@@ -91,7 +97,7 @@ def test_decode_step_message_frames_and_zero_copy() -> None:
         1, "r", "llm", "decode", "llm", {"t": tokens, "h": hidden, "c": chunk, "s": params}
     )
     frames = encode_message(msg)
-    assert len(frames) == 4  # header + three tensors
+    assert len(frames) == 2  # header (with the small tensors) + the hidden states
     out = decode_message(frames)
     assert isinstance(out, StepRequest)
     assert out.inputs["h"].data_ptr() == hidden.data_ptr()  # in-process: the same memory

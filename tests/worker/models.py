@@ -10,7 +10,17 @@ from typing import Any
 import torch
 
 from mstar_async.engines import StatelessEngine
-from mstar_async.graph import DynamicLoop, Model, ModelSource, Node, Sequential, Walk, stream
+from mstar_async.graph import (
+    DynamicLoop,
+    Edge,
+    Model,
+    ModelSource,
+    Node,
+    Parallel,
+    Sequential,
+    Walk,
+    stream,
+)
 from mstar_async.models import build_model
 from mstar_async.policies import Chunk, FixedChunkPolicy
 
@@ -62,4 +72,71 @@ def build_demo_needing_a_checkpoint() -> Model:
         raise FileNotFoundError("no checkpoint folder /models/demo on this host")
     model = build_model("demo")
     model.source = ModelSource("tests.worker.models:build_demo_needing_a_checkpoint")
+    return model
+
+
+HANDOFF_SIDE = 128  # make.h is HANDOFF_SIDE**2 float32 per request: 64 KiB, kept on its worker
+
+
+def _make(x: torch.Tensor) -> dict[str, Any]:
+    if bool((x < 0).any()):
+        time.sleep(1.0)  # a slow step, still running when its request is cancelled
+    grid = torch.arange(HANDOFF_SIDE * HANDOFF_SIDE, dtype=torch.float32)
+    h = torch.sin(x.float().reshape(-1, 1) + grid * 1e-3)
+    return {"h": h.reshape(-1, HANDOFF_SIDE, HANDOFF_SIDE)}
+
+
+async def _handoff_program(
+    request: Any, x: float = 1.0, raw: bool = False, loop: bool = False
+) -> AsyncGenerator[Any, None]:
+    if loop:
+        yield (await request.run("loop", x=torch.tensor(x)))["s"]
+        return
+    if raw:
+        yield (await request.run("raw", x=torch.tensor(x)))["h"]
+        return
+    result = await request.run("w", x=torch.tensor(x))
+    yield result["s"]
+    yield result["c"]
+
+
+def build_handoff() -> Model:
+    """``make`` produces a large tensor that ``use`` and ``check`` consume: placed apart, it
+    goes from worker to worker. Walk ``raw`` hands it to the program instead."""
+    nodes = [
+        Node("make", engine="maker", inputs=["x"], outputs=["h"]),
+        Node("use", engine="user", inputs=["h"], outputs=["s"]),
+        Node("check", engine="checker", inputs=["h"], outputs=["c"]),
+        Node("halve", engine="maker", op="halve", inputs=["h"], outputs=["h2"]),
+        Node("use2", engine="user", op="use", inputs=["h"], outputs=["s"]),
+    ]
+    # Halve h until the predicate, which reads the large tensor itself, says it is small.
+    halving = DynamicLoop(
+        "halve",
+        until=lambda s: float(s.outputs["halve.h2"].abs().max()) < 0.2,
+        max_iterations=10,
+        carry={"halve.h2": "halve.h"},
+    )
+    model = Model(
+        "handoff",
+        nodes=nodes,
+        edges=[
+            Edge("make.h", "use.h"),
+            Edge("make.h", "check.h"),
+            Edge("make.h", "halve.h"),
+            Edge("halve.h2", "use2.h"),
+        ],
+        walks=[
+            Walk("w", Sequential("make", Parallel("use", "check")), outputs=["use.s", "check.c"]),
+            Walk("raw", Sequential("make"), outputs=["make.h"]),
+            Walk("loop", Sequential("make", halving, "use2"), outputs=["use2.s"]),
+        ],
+        program=_handoff_program,
+        components={
+            "maker": lambda: StatelessEngine({"make": _make, "halve": lambda h: {"h2": h * 0.5}}),
+            "user": lambda: StatelessEngine({"use": lambda h: {"s": h.sum(dim=(1, 2))}}),
+            "checker": lambda: StatelessEngine({"check": lambda h: {"c": h.amax(dim=(1, 2))}}),
+        },
+    )
+    model.source = ModelSource("tests.worker.models:build_handoff")
     return model

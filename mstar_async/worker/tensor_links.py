@@ -1,0 +1,217 @@
+"""How a worker's tensors reach other workers: its store served on a ROUTER, peers' fetched over
+DEALER links, and the handles in a step's inputs resolved before the step runs.
+
+Each worker binds one peer endpoint (IPC when the conductor is on this host, TCP otherwise) and
+says it in ``Hello``; the conductor sends every worker the map of them (``Peers``) whenever a
+rank comes up. A worker opens a link to a peer on its first fetch from it, and replaces it when
+the peer's endpoint changes (the peer restarted), which fails any fetch still waiting on the old
+one. Fetches to one peer take turns on its link; each waits at most :data:`FETCH_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import torch
+
+from mstar_async.errors import TensorNotHeld
+from mstar_async.logs import get_logger
+from mstar_async.transport import (
+    ErrorInfo,
+    FetchTensor,
+    Link,
+    Server,
+    StepCall,
+    StepReply,
+    StepRequest,
+    TensorRef,
+    TensorReply,
+    TransportError,
+    ZmqHub,
+)
+from mstar_async.worker.tensor_store import TensorStore
+
+__all__ = ["FETCH_TIMEOUT", "WorkerTensors", "bind_peer_endpoint"]
+
+#: Seconds a fetch from another worker may take before it fails the step that needed it.
+FETCH_TIMEOUT = 60.0
+
+log = get_logger("mstar_async.worker.tensors")
+
+
+def bind_peer_endpoint(hub: ZmqHub, conductor_endpoint: str) -> tuple[Server, str]:
+    """Bind this worker's peer server and return it with the endpoint peers should dial.
+
+    IPC when the conductor is reached over IPC (all workers on one host), else TCP on every
+    interface, advertised under the address this host uses to reach the conductor.
+
+    Raises:
+        TransportError: the endpoint cannot be bound.
+    """
+    if conductor_endpoint.startswith("ipc://"):
+        server = hub.bind()
+        return server, server.endpoint
+    server = hub.bind("tcp://0.0.0.0:0")
+    port = server.endpoint.rsplit(":", 1)[1]
+    return server, f"tcp://{_local_address(conductor_endpoint)}:{port}"
+
+
+def _local_address(endpoint: str) -> str:
+    # The interface the kernel routes towards the conductor is one peers can reach too; a UDP
+    # connect sends nothing, it only picks the route.
+    host = urlsplit(endpoint).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return host
+
+
+class _Peer:
+    __slots__ = ("endpoint", "link", "lock")
+
+    def __init__(self, endpoint: str, link: Link) -> None:
+        self.endpoint = endpoint
+        self.link = link
+        self.lock = anyio.Lock()
+
+
+class WorkerTensors:
+    """One worker's store, its peer links, and the two steps around each forward.
+
+    ``resolve`` turns the handles in a step's inputs into tensors; ``keep`` turns a step's large
+    outputs into handles; ``answer`` serves a ``FetchTensor``; ``serve`` answers peers.
+    """
+
+    def __init__(self, hub: ZmqHub, store: TensorStore) -> None:
+        self.hub = hub
+        self.store = store
+        self._endpoints: dict[int, str] = {}
+        self._peers: dict[int, _Peer] = {}
+        self._ids = itertools.count()
+        self.fetched = 0  # tensors fetched from other workers
+        self.served = 0  # tensors sent to other workers or the conductor
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters plus ``tensors_fetched`` and ``tensors_served``."""
+        return {
+            **self.store.stats(),
+            "tensors_fetched": self.fetched,
+            "tensors_served": self.served,
+        }
+
+    def set_peers(self, endpoints: Mapping[int, str]) -> None:
+        """Learn where each rank serves its tensors; links to a peer that moved are closed (a
+        fetch waiting on one fails). Never raises."""
+        self._endpoints = dict(endpoints)
+        for rank, peer in list(self._peers.items()):
+            if self._endpoints.get(rank) != peer.endpoint:
+                peer.link.close()
+                del self._peers[rank]
+
+    async def resolve(self, call: StepCall) -> StepCall:
+        """``call`` with every handle among its inputs replaced by its tensor: from this
+        worker's store (the same object, no copy) or fetched from the rank that holds it.
+
+        Cancel-safe: a cancelled fetch's reply is skipped by the next fetch on that link.
+
+        Raises:
+            TensorNotHeld: a handle's tensor is gone (its request released, its worker restarted).
+            TransportError: the holder is unknown, unreachable within :data:`FETCH_TIMEOUT`, or
+                restarted during the fetch.
+        """
+        refs = {p: v for p, v in call.inputs.items() if isinstance(v, TensorRef)}
+        if not refs:
+            return call
+        inputs = dict(call.inputs)
+        for port, ref in refs.items():
+            inputs[port] = await self.fetch(ref)
+        return StepCall(call.request_id, call.engine, call.op, inputs, call.node, call.walk)
+
+    async def fetch(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor behind ``ref``; see :meth:`resolve` for what it raises. Cancel-safe."""
+        if ref.rank == self.store.rank:
+            return self.store.get(ref)
+        peer = self._peer(ref.rank)
+        request_id = next(self._ids)
+        try:
+            with anyio.fail_after(FETCH_TIMEOUT):
+                async with peer.lock:
+                    await peer.link.send(FetchTensor(ref.key, request_id))
+                    while True:
+                        reply = await peer.link.recv()
+                        # A reply to a fetch that was cancelled after sending: not ours.
+                        if isinstance(reply, TensorReply) and reply.id == request_id:
+                            break
+        except TimeoutError:
+            raise TransportError(
+                f"rank {self.store.rank}: fetching tensor {ref.key!r} from rank {ref.rank} "
+                f"({peer.endpoint}) took over {FETCH_TIMEOUT} s"
+            ) from None
+        if reply.error is not None:
+            raise reply.error.to_exception()
+        value = reply.value
+        if not isinstance(value, torch.Tensor):
+            raise TransportError(f"rank {ref.rank} answered {ref.key!r} with no tensor")
+        self.fetched += 1
+        return value
+
+    def _peer(self, rank: int) -> _Peer:
+        peer = self._peers.get(rank)
+        if peer is None:
+            endpoint = self._endpoints.get(rank)
+            if not endpoint:
+                raise TransportError(
+                    f"rank {self.store.rank} knows no endpoint for rank {rank}; ranks known: "
+                    f"{sorted(self._endpoints)}"
+                )
+            peer = self._peers[rank] = _Peer(endpoint, self.hub.connect(endpoint))
+        return peer
+
+    async def run_step(
+        self, submit: Callable[[StepCall], Awaitable[dict[str, Any]]], request: StepRequest
+    ) -> StepReply:
+        """Run ``request`` through ``submit`` (the batching loop): handles in its inputs
+        resolved first, its large outputs kept here and answered with handles. A failure,
+        its own or a fetch's, becomes the failed reply. Cancel-safe (nothing is kept)."""
+        rid = request.request_id
+        self.store.step_started(rid)
+        try:
+            outputs = await submit(await self.resolve(request.to_call()))
+        except Exception as exc:  # the step's failure travels back to the conductor
+            self.store.step_failed(rid)
+            return StepReply.failed(request.id, exc)
+        except BaseException:
+            self.store.step_failed(rid)
+            raise
+        return StepReply(request.id, self.store.keep(rid, outputs))
+
+    def answer(self, fetch: FetchTensor) -> TensorReply:
+        """The reply to ``fetch``: the tensor (sent from this worker's memory), or the error.
+        Never raises."""
+        ref = TensorRef(self.store.rank, fetch.ref_id, (), "")
+        try:
+            tensor = self.store.get(ref)
+            self.served += 1
+            return TensorReply(fetch.ref_id, fetch.id, tensor)
+        except TensorNotHeld as exc:
+            return TensorReply(fetch.ref_id, fetch.id, error=ErrorInfo.from_exception(exc))
+
+    async def serve(self, server: Server) -> None:
+        """Answer other workers' fetches until cancelled. Cancel-safe."""
+        while True:
+            try:
+                peer, message = await server.recv()  # a malformed message is skipped
+            except TransportError as exc:
+                if server.closed:
+                    return
+                log.warning("tensors.bad_message", error=str(exc))
+                continue
+            if isinstance(message, FetchTensor):
+                await server.send(peer, self.answer(message))
