@@ -66,7 +66,7 @@ class RequestStream:
         try:
             return await self._receiver.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
-            pass
+            self._receiver.close()
         await self._finished.wait()
         if self.error is not None:
             raise RequestError(f"request {self.request_id} failed: {self.error}") from self.error
@@ -174,8 +174,12 @@ class Conductor:
             finally:
                 stream.cancelled = stream.cancelled or (not completed and stream.error is None)
                 sender.close()
+                if not (completed and stream._receiver.statistics().buffered):
+                    # What a finished request left in the buffer stays for a client that reads
+                    # it later (its ``__anext__`` closes this end at the end of the stream).
+                    stream._receiver.close()
                 if stream.context is not None:
-                    stream.context.close_channels()
+                    stream.context.close_channels(keep=stream._receiver)
                 with anyio.CancelScope(shield=True):
                     await self.executor.release(stream.request_id)
                 self.active.pop(stream.request_id, None)

@@ -68,9 +68,11 @@ class RequestContext:
         """Every channel end this request opened (for leak checks: all ``closed`` once it ends)."""
         return list(self._channels)
 
-    def close_channels(self) -> None:
-        """Close every channel end this request opened; idempotent."""
+    def close_channels(self, *, keep: Any = None) -> None:
+        """Close every channel end this request opened but ``keep``; idempotent."""
         for end in self._channels:
+            if end is keep:
+                continue
             close = getattr(end, "close_now", None) or end.close
             close()
 
