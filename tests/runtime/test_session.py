@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mstar_async.errors import RequestError, SessionClosed
@@ -16,8 +16,6 @@ from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk, TextDelta
 from mstar_async.runtime import Runtime, open_runtime, split_sentences
 from tests.runtime.helpers import SPEECH, one_torch_thread, settled_tasks, tiny_lm
-
-anyio_test = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
 def test_split_sentences_cuts_after_complete_sentences_only() -> None:
@@ -28,7 +26,8 @@ def test_split_sentences_cuts_after_complete_sentences_only() -> None:
     assert split_sentences("你好。再见") == (["你好。"], "再见")
 
 
-@given(st.text(alphabet=st.sampled_from("ab .!?\n3"), max_size=60))
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.text(alphabet=st.sampled_from('ab .!?\n3"。'), max_size=60))
 def test_split_sentences_keeps_every_character_but_whitespace(text: str) -> None:
     sentences, rest = split_sentences(text)
     assert all(s and s == s.strip() for s in sentences)
@@ -156,3 +155,25 @@ async def test_cancelling_the_reader_stops_every_segment_and_frees_kv(tiny_folde
             assert await settled_tasks() == baseline
             with pytest.raises(SessionClosed, match="after aclose"):
                 session.push_text("late")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_text_segments_of_a_text_model_match_each_request_alone(tiny_folder: Path) -> None:
+    sentences = ["The capital of France is.", "def main():", "we'll see"]
+    with one_torch_thread(), anyio.fail_after(40):
+        async with open_runtime(tiny_lm(tiny_folder)) as runtime:
+            alone = []
+            for sentence in sentences:
+                async with runtime.generate(prompt=sentence, max_tokens=6) as outputs:
+                    alone.append("".join([d.text async for d in outputs]))
+            by_segment: dict[int, str] = {}
+            async with runtime.speech_session(text_input="prompt", max_tokens=6) as session:
+                session.push_text("The capital of France is. def main():\nwe'll")
+                session.push_text(" see")
+                session.end_input()
+                async for delta in session:
+                    by_segment[delta.segment] = by_segment.get(delta.segment, "") + delta.text
+            assert session.segments == sentences
+            assert runtime.batching.engines["lm"].blocks_in_use == 0
+    assert [by_segment[k] for k in range(3)] == alone
