@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_async.errors import RequestError, SessionClosed
+from mstar_async.errors import RequestCancelled, RequestError, SessionClosed
+from mstar_async.graph import Node, Walk
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk, TextDelta
 from mstar_async.runtime import Runtime, open_runtime, split_sentences
+from tests.conductor.helpers import make_model, t
 from tests.runtime.helpers import SPEECH, one_torch_thread, settled_tasks, tiny_lm
 
 
@@ -177,3 +180,37 @@ async def test_text_segments_of_a_text_model_match_each_request_alone(tiny_folde
             assert session.segments == sentences
             assert runtime.batching.engines["lm"].blocks_in_use == 0
     assert [by_segment[k] for k in range(3)] == alone
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_failing_segment_fails_the_session_and_stops_the_others() -> None:
+    node = Node("a", engine="e", op="inc", inputs=["x"], outputs=["y"])
+
+    async def program(request: Any, text: str) -> AsyncGenerator[Any, None]:
+        if text == "Bad.":
+            raise ValueError("cannot say that")
+        yield TextDelta(text)
+        if text == "Later.":
+            await anyio.sleep_forever()  # still running when the session fails
+        yield TextDelta(str(float((await request.run("w", x=t(1)))["y"])))
+
+    model = make_model([node], [Walk("w", "a")], program, {"inc": lambda x: {"y": x + 1}})
+    async with open_runtime(model) as runtime:
+        with anyio.fail_after(20):
+            async with runtime.speech_session(lookahead=2) as session:
+                session.push_text("Fine. Bad. Later. ")
+                assert await session.__anext__() == TextDelta("Fine.", segment=0)
+                assert await session.__anext__() == TextDelta("2.0", segment=0)
+                with pytest.raises(RequestError, match="cannot say that") as caught:
+                    await session.__anext__()
+                assert not isinstance(caught.value, RequestCancelled)
+                with pytest.raises(SessionClosed):
+                    session.push_text("more")
+                assert [item async for item in session] == []
+            assert runtime.conductor.active == {}
+            assert [(m.finished, m.failed, m.cancelled) for m in session.metrics] == [
+                (True, False, False),
+                (False, True, False),
+                (False, False, True),
+            ]
