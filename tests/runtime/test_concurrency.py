@@ -7,6 +7,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from mstar_async.outputs import TextDelta
 from mstar_async.runtime import open_runtime
 from tests.requests import collect_text
 from tests.runtime.helpers import one_torch_thread, tiny_lm
@@ -33,7 +34,7 @@ async def _compare(tiny_folder: Path, requests: list[dict[str, object]]) -> None
 
         async def one(i: int) -> None:
             async with runtime.generate(**requests[i]) as outputs:
-                together[i] = "".join([d.text async for d in outputs])
+                together[i] = "".join([d.text async for d in outputs if isinstance(d, TextDelta)])
             finished.append(outputs.metrics.finished)
 
         with anyio.fail_after(60):

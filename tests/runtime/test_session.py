@@ -146,6 +146,7 @@ async def test_cancelling_the_reader_stops_every_segment_and_frees_kv(tiny_folde
                 ) as session:
                     session.push_text("The capital of France is. def main(): we'll see. A. B. ")
                     async for delta in session:
+                        assert isinstance(delta, TextDelta)
                         deltas.append(delta)
                         if len(deltas) == 3:
                             assert engine.blocks_in_use > 0
@@ -169,13 +170,17 @@ async def test_text_segments_of_a_text_model_match_each_request_alone(tiny_folde
             alone = []
             for sentence in sentences:
                 async with runtime.generate(prompt=sentence, max_tokens=6) as outputs:
-                    alone.append("".join([d.text async for d in outputs]))
+                    alone.append(
+                        "".join([d.text async for d in outputs if isinstance(d, TextDelta)])
+                    )
             by_segment: dict[int, str] = {}
             async with runtime.speech_session(text_input="prompt", max_tokens=6) as session:
                 session.push_text("The capital of France is. def main():\nwe'll")
                 session.push_text(" see")
                 session.end_input()
                 async for delta in session:
+                    if not isinstance(delta, TextDelta):
+                        continue  # a closing usage report, where the model makes one
                     by_segment[delta.segment] = by_segment.get(delta.segment, "") + delta.text
             assert session.segments == sentences
             assert runtime.batching.engines["lm"].blocks_in_use == 0
