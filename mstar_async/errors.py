@@ -5,6 +5,7 @@
     ├── WalkInputError        a walk was called without an input it needs, or with an unknown one
     ├── PolicyError           a chunk policy was misused (push after close, mixed item kinds)
     ├── ChannelError          a channel or streaming edge was used against its contract
+    ├── SessionClosed         text was pushed to a speech session that takes no more input
     ├── EngineError           an engine could not run a step (bad op, bad shapes, missing outputs)
     │   └── KVCacheFull       the paged KV cache has no free block for a step
     ├── RequestError          a request failed; ``__cause__`` holds what went wrong inside it
@@ -39,6 +40,10 @@ class PolicyError(MstarError):
 
 class ChannelError(MstarError):
     """A channel or streaming edge was used against its contract."""
+
+
+class SessionClosed(MstarError):
+    """Text was pushed to a speech session after its ``end_input()`` or ``aclose()``."""
 
 
 class EngineError(MstarError):

@@ -9,9 +9,10 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """A piece of generated text, in order."""
+    """A piece of generated text, in order; ``segment`` numbers the speech segment it voices."""
 
     text: str
+    segment: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from mstar_async.conductor.conductor import Conductor, RequestStream
 from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.request import RequestContext, WalkResult, WalkStream
 from mstar_async.conductor.walk_runner import WalkEvent
 
 __all__ = [
     "Conductor",
     "RequestContext",
+    "RequestMetrics",
     "RequestStream",
     "StepExecutor",
     "WalkEvent",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -15,6 +14,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.request import RequestContext
 from mstar_async.errors import MstarError, RequestCancelled, RequestError
 from mstar_async.graph import Model
@@ -40,10 +40,12 @@ class RequestStream:
     Use ``async with conductor.generate(...) as outputs: async for item in outputs: ...`` or
     call ``aclose()``; closing early cancels the request, and ``aclose()`` returns only once
     its walks have stopped, its channels are closed and its engines have released it.
+    ``metrics`` fills in as the request runs (first-output times, audio, tokens, outcome).
     """
 
     def __init__(self, request_id: str, receiver: ChannelReceiver[Any]) -> None:
         self.request_id = request_id
+        self.metrics = RequestMetrics(request_id)
         self.context: RequestContext | None = None
         self.error: BaseException | None = None
         self.cancelled = False
@@ -64,7 +66,7 @@ class RequestStream:
         try:
             return await self._receiver.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
-            pass
+            self._receiver.close()
         await self._finished.wait()
         if self.error is not None:
             raise RequestError(f"request {self.request_id} failed: {self.error}") from self.error
@@ -160,7 +162,6 @@ class Conductor:
     async def _serve(
         self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
     ) -> None:
-        started = time.perf_counter()
         with structlog.contextvars.bound_contextvars(request_id=stream.request_id):
             log.debug("request.start", model=self.model.name)
             completed = False
@@ -173,28 +174,36 @@ class Conductor:
             finally:
                 stream.cancelled = stream.cancelled or (not completed and stream.error is None)
                 sender.close()
+                if not (completed and stream._receiver.statistics().buffered):
+                    # What a finished request left in the buffer stays for a client that reads
+                    # it later (its ``__anext__`` closes this end at the end of the stream).
+                    stream._receiver.close()
                 if stream.context is not None:
-                    stream.context.close_channels()
+                    stream.context.close_channels(keep=stream._receiver)
                 with anyio.CancelScope(shield=True):
                     await self.executor.release(stream.request_id)
                 self.active.pop(stream.request_id, None)
+                stream.metrics.close(cancelled=stream.cancelled, failed=stream.error is not None)
                 stream._finished.set()
-                log.debug(
+                log.info(
                     "request.end",
-                    seconds=round(time.perf_counter() - started, 4),
-                    cancelled=stream.cancelled,
+                    model=self.model.name,
                     error=repr(stream.error) if stream.error else None,
+                    **stream.metrics.as_log(),
                 )
 
     async def _run_program(
         self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
     ) -> None:
         async with anyio.create_task_group() as walks:
-            context = RequestContext(stream.request_id, self.model, self.executor, walks)
+            context = RequestContext(
+                stream.request_id, self.model, self.executor, walks, metrics=stream.metrics
+            )
             stream.context = context
             context.track(sender, stream._receiver)
             async with aclosing(self.model.program(context, **inputs)) as program:
                 async for item in program:
+                    stream.metrics.observe(item)
                     await sender.send(item)
             walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
 

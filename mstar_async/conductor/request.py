@@ -10,6 +10,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.walk_runner import WalkEvent, WalkRunner
 from mstar_async.errors import WalkInputError
 from mstar_async.graph import Model, PortRef, WalkPlan
@@ -32,14 +33,31 @@ class RequestContext:
     """
 
     def __init__(
-        self, request_id: str, model: Model, executor: StepExecutor, task_group: TaskGroup
+        self,
+        request_id: str,
+        model: Model,
+        executor: StepExecutor,
+        task_group: TaskGroup,
+        *,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.executor = executor
+        self.metrics = metrics if metrics is not None else RequestMetrics(request_id)
         self.persisted: dict[PortRef, Any] = {}
         self._task_group = task_group
         self._channels: list[Any] = []
+
+    def record_usage(
+        self, *, prompt_tokens: int | None = None, completion_tokens: int | None = None
+    ) -> None:
+        """Report the request's token counts for its metrics (a later report replaces one).
+
+        Raises:
+            ValueError: a count is negative.
+        """
+        self.metrics.record_usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     def track(self, *ends: Any) -> None:
         """Remember channel ends so the request closes them all when it ends, however it ends."""
@@ -50,9 +68,11 @@ class RequestContext:
         """Every channel end this request opened (for leak checks: all ``closed`` once it ends)."""
         return list(self._channels)
 
-    def close_channels(self) -> None:
-        """Close every channel end this request opened; idempotent."""
+    def close_channels(self, *, keep: Any = None) -> None:
+        """Close every channel end this request opened but ``keep``; idempotent."""
         for end in self._channels:
+            if end is keep:
+                continue
             close = getattr(end, "close_now", None) or end.close
             close()
 

@@ -184,11 +184,15 @@ def _program(cfg: DemoConfig) -> Callable[..., AsyncGenerator[Any, None]]:
         steps: int = 8,
         guidance: float = 3.0,
         seed: int = 0,
+        image: bool = True,
     ) -> AsyncGenerator[Any, None]:
+        # image=False makes the request speech only (a text-to-speech session's segments).
         await request.run("prefill", tokens=tokenize(text, cfg))
         async with request.stream("speak", params={"max_codes": max_codes}) as speech:
             async for event in speech:
                 yield AudioChunk(event.value, cfg.sample_rate)
+        if not image:
+            return
         noise = torch.randn(cfg.latent, generator=torch.Generator().manual_seed(seed))
         result = await request.run(
             "image",

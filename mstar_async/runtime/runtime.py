@@ -14,6 +14,7 @@ from mstar_async.conductor.dispatch import PlacedExecutor
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
+from mstar_async.runtime.session import SpeechSession
 from mstar_async.worker import BatchingLoop
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
@@ -60,6 +61,32 @@ class Runtime:
             RequestError: the inputs do not fit the model's request program.
         """
         return self.conductor.generate(request_id=request_id, **inputs)
+
+    def speech_session(
+        self,
+        *,
+        text_input: str = "text",
+        lookahead: int = 1,
+        session_id: str | None = None,
+        **inputs: Any,
+    ) -> SpeechSession:
+        """Open a session that voices text pushed piece by piece, one request per segment.
+
+        ``inputs`` go to every segment's request beside the segment's text, which fills the
+        program's ``text_input`` argument; ``lookahead`` is how many segments after the one
+        being read may be synthesised ahead. See ``SpeechSession``.
+
+        Raises:
+            RequestError: the model's program takes no ``text_input`` or not these inputs.
+            ValueError: ``lookahead`` is negative.
+        """
+        return SpeechSession(
+            self.conductor,
+            inputs,
+            text_input=text_input,
+            lookahead=lookahead,
+            session_id=session_id,
+        )
 
 
 @asynccontextmanager
