@@ -24,11 +24,10 @@ from mstar_async.engines.base import WAIT, Step, StepResult
 from mstar_async.engines.kv import (
     AttentionSpec,
     BatchLayout,
-    PagedKVAllocator,
     PagedKVCache,
-    blocks_for_budget,
     select_attention_backend,
 )
+from mstar_async.engines.kv.cache import paged_storage
 from mstar_async.engines.kv.queries import QueryModel, run_queries
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError, KVCacheFull
@@ -124,30 +123,17 @@ class KVCacheEngine:
         backend: str = "auto",
         compile: bool | str = False,
     ) -> None:
-        if (kv_cache_bytes is None) == (num_blocks is None):
-            raise ValueError("KVCacheEngine: give exactly one of kv_cache_bytes and num_blocks")
         self.device = torch.device(device)
         self.spec = spec
-        if num_blocks is None:
-            assert kv_cache_bytes is not None
-            num_blocks = blocks_for_budget(
-                kv_cache_bytes,
-                num_layers=num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                block_size=block_size,
-                dtype_bytes=torch.finfo(spec.dtype).bits // 8,
-            )
         self.num_layers = num_layers
-        self.allocator = PagedKVAllocator(num_blocks, block_size)
-        self.cache = PagedKVCache(
+        self.allocator, self.cache = paged_storage(
+            spec,
             num_layers=num_layers,
+            kv_cache_bytes=kv_cache_bytes,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
             device=self.device,
+            owner="KVCacheEngine",
         )
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
         self.model = model

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from mstar_async.errors import EngineError
 
+from .allocator import PagedKVAllocator
 from .sizing import blocks_for_budget
 
-__all__ = ["PagedKVCache"]
+if TYPE_CHECKING:
+    from .attention import AttentionSpec
+
+__all__ = ["PagedKVCache", "paged_storage"]
 
 
 class PagedKVCache:
@@ -176,3 +181,44 @@ class PagedKVCache:
         if not 0 <= layer < self.num_layers:
             raise EngineError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         return layer
+
+
+def paged_storage(
+    spec: AttentionSpec,
+    *,
+    num_layers: int,
+    kv_cache_bytes: int | None,
+    num_blocks: int | None,
+    block_size: int,
+    device: torch.device,
+    owner: str,
+) -> tuple[PagedKVAllocator, PagedKVCache]:
+    """The block allocator and K/V storage of an engine, sized by exactly one of
+    ``kv_cache_bytes`` (as many blocks as fit) and ``num_blocks``.
+
+    Raises:
+        ValueError: both or neither size given (the message names ``owner``), or the budget
+            fits no block.
+    """
+    if (kv_cache_bytes is None) == (num_blocks is None):
+        raise ValueError(f"{owner}: give exactly one of kv_cache_bytes and num_blocks")
+    if num_blocks is None:
+        assert kv_cache_bytes is not None
+        num_blocks = blocks_for_budget(
+            kv_cache_bytes,
+            num_layers=num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=block_size,
+            dtype_bytes=torch.finfo(spec.dtype).bits // 8,
+        )
+    cache = PagedKVCache(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+        device=device,
+    )
+    return PagedKVAllocator(num_blocks, block_size), cache

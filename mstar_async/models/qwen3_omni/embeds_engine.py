@@ -24,11 +24,9 @@ from mstar_async.engines.base import Step, StepResult, group_by_op
 from mstar_async.engines.kv import (
     AttentionSpec,
     BatchLayout,
-    PagedKVAllocator,
-    PagedKVCache,
-    blocks_for_budget,
     select_attention_backend,
 )
+from mstar_async.engines.kv.cache import paged_storage
 from mstar_async.engines.kv_engine import StepAttention
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError, KVCacheFull
@@ -98,30 +96,17 @@ class EmbedsKVEngine:
         block_size: int = 16,
         device: str | torch.device = "cpu",
     ) -> None:
-        if (kv_cache_bytes is None) == (num_blocks is None):
-            raise ValueError("EmbedsKVEngine: give exactly one of kv_cache_bytes and num_blocks")
         if not ops:
             raise ValueError("EmbedsKVEngine: ops must name at least one op")
         self.device = torch.device(device)
-        if num_blocks is None:
-            assert kv_cache_bytes is not None
-            num_blocks = blocks_for_budget(
-                kv_cache_bytes,
-                num_layers=num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                block_size=block_size,
-                dtype_bytes=torch.finfo(spec.dtype).bits // 8,
-            )
-        self.allocator = PagedKVAllocator(num_blocks, block_size)
-        self.cache = PagedKVCache(
+        self.allocator, self.cache = paged_storage(
+            spec,
             num_layers=num_layers,
+            kv_cache_bytes=kv_cache_bytes,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
             device=self.device,
+            owner="EmbedsKVEngine",
         )
         self.backend = select_attention_backend(self.device, spec)
         self.stack = stack
