@@ -49,7 +49,7 @@ from mstar_async.runtime import open_runtime
 REPLY = "Hello! I am a voice agent. My speech comes from a runtime in this very process."
 
 
-class WavWriter(FrameProcessor):  # type: ignore[misc]
+class WavWriter(FrameProcessor):
     """Stands where the output transport goes: collects the bot's audio into a WAV file."""
 
     def __init__(self, path: Path) -> None:

@@ -50,7 +50,7 @@ __all__ = ["MstarTTSService"]
 log = get_logger("mstar_async.integrations.pipecat")
 
 
-class MstarTTSService(TTSService):  # type: ignore[misc]
+class MstarTTSService(TTSService):
     """Pipecat TTS through an mstar_async speech model (e.g. ``orpheus``), in this process.
 
     Give either ``runtime``, an open ``Runtime`` the application owns (it outlives the
@@ -81,15 +81,17 @@ class MstarTTSService(TTSService):  # type: ignore[misc]
                 "give MstarTTSService either runtime= (an open Runtime the app owns) or "
                 "model= (the service opens and closes its own runtime), not both or neither"
             )
-        name = (runtime.model if runtime is not None else model).name  # type: ignore[union-attr]
+        served = runtime.model if runtime is not None else model
+        assert served is not None
         super().__init__(
             push_start_frame=True,
             push_stop_frames=True,
-            settings=TTSSettings(model=name, voice=voice, language=None),
+            settings=TTSSettings(model=served.name, voice=voice, language=None),
             **kwargs,
         )
         self._runtime = runtime
-        self._owned = _OwnedRuntime(model, dict(runtime_options or {})) if model else None
+        options = dict(runtime_options or {})
+        self._owned = _OwnedRuntime(model, options) if model is not None else None
         self._inputs = dict(inputs or {})
         self._streams: dict[str, tuple[str, RequestStream]] = {}  # request id -> context, stream
 
@@ -204,8 +206,7 @@ class _OwnedRuntime:
     from different tasks, and a runtime's task groups must be left by the task that entered
     them."""
 
-    def __init__(self, model: Model | None, options: dict[str, Any]) -> None:
-        assert model is not None
+    def __init__(self, model: Model, options: dict[str, Any]) -> None:
         self._model = model
         self._options = options
         self._task: asyncio.Task[None] | None = None

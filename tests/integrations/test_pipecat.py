@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("pipecat", reason="needs the voice extra: pip install 'mstar-async[voice]'")
 
-import soxr  # noqa: E402
-from pipecat.frames.frames import (  # noqa: E402
+import soxr
+from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InterruptionFrame,
@@ -32,17 +32,17 @@ from pipecat.frames.frames import (  # noqa: E402
     TTSStartedFrame,
     TTSStoppedFrame,
 )
-from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
-from pipecat.workers.runner import WorkerRunner  # noqa: E402
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.workers.runner import WorkerRunner
 
-from mstar_async.audio import to_s16le  # noqa: E402
-from mstar_async.integrations.pcm import PcmConverter  # noqa: E402
-from mstar_async.integrations.pipecat import MstarTTSService  # noqa: E402
-from mstar_async.models import build_model  # noqa: E402
-from mstar_async.outputs import AudioChunk  # noqa: E402
-from mstar_async.runtime import Runtime, open_runtime  # noqa: E402
+from mstar_async.audio import to_s16le
+from mstar_async.integrations.pcm import PcmConverter
+from mstar_async.integrations.pipecat import MstarTTSService
+from mstar_async.models import build_model
+from mstar_async.outputs import AudioChunk
+from mstar_async.runtime import Runtime, open_runtime
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ async def runtime() -> AsyncIterator[Runtime]:
         yield rt
 
 
-class Recorder(FrameProcessor):  # type: ignore[misc]
+class Recorder(FrameProcessor):
     """The pipeline's last processor: every frame it sees, with its arrival time."""
 
     def __init__(self) -> None:
@@ -144,7 +144,9 @@ async def test_a_reply_is_spoken_sentence_by_sentence_as_the_runtime_speaks_it(
     await _run(worker, [*_reply("Hello there.", "How are you today?"), EndFrame()])
 
     assert [t.strip() for t in spoken] == ["Hello there.", "How are you today?"]
-    kinds = [type(f) for _, f in recorder.frames if isinstance(f, TTSStartedFrame | TTSStoppedFrame)]
+    kinds = [
+        type(f) for _, f in recorder.frames if isinstance(f, TTSStartedFrame | TTSStoppedFrame)
+    ]
     assert kinds == [TTSStartedFrame, TTSStoppedFrame]  # one audio context for the reply
     audio = recorder.audio()
     assert {(f.sample_rate, f.num_channels) for f in audio} == {(24_000, 1)}
@@ -216,7 +218,7 @@ async def test_barge_in_stops_the_utterance_and_frees_its_kv_blocks_at_once(
 
     interrupted = time.perf_counter()
     await worker.queue_frame(InterruptionFrame())
-    while engine.blocks_in_use:
+    while engine.blocks_in_use:  # noqa: ASYNC110 - polling is the measurement
         await asyncio.sleep(0.0005)
     freed = time.perf_counter() - interrupted
     await asyncio.wait_for(recorder.interrupted.wait(), timeout=5)
