@@ -27,14 +27,18 @@ from pipecat.frames.frames import (
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
     LLMTextFrame,
+    MetricsFrame,
     TTSAudioRawFrame,
     TTSSpeakFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
+    TTSUpdateSettingsFrame,
 )
+from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.settings import TTSSettings
 from pipecat.workers.runner import WorkerRunner
 
 from mstar_async.audio import to_s16le
@@ -99,7 +103,7 @@ def _pipeline(tts: MstarTTSService, sample_rate: int = 24_000) -> tuple[Pipeline
     recorder = Recorder()
     worker = PipelineWorker(
         Pipeline([tts, recorder]),
-        params=PipelineParams(audio_out_sample_rate=sample_rate),
+        params=PipelineParams(audio_out_sample_rate=sample_rate, enable_metrics=True),
         enable_rtvi=False,
         idle_timeout_secs=None,
     )
@@ -156,6 +160,14 @@ async def test_a_reply_is_spoken_sentence_by_sentence_as_the_runtime_speaks_it(
     assert got.shape == want.shape and want.size > 0
     assert np.abs(got - want).max() <= 1
     assert runtime.batching.engines["lm"].blocks_in_use == 0 and tts.active_requests == 0
+    ttfb = [
+        m.value
+        for _, f in recorder.frames
+        if isinstance(f, MetricsFrame)
+        for m in f.data
+        if isinstance(m, TTFBMetricsData) and m.processor == tts.name and m.value > 0
+    ]
+    assert len(ttfb) == 1 and ttfb[0] < 30  # one audio context: the reply's first audio
 
 
 @pytest.mark.timeout(60)
@@ -195,6 +207,48 @@ async def test_a_service_given_a_model_opens_and_closes_its_own_runtime() -> Non
     assert len(_samples(recorder.audio())) == 7 * 2048
     with pytest.raises(RuntimeError, match="opens when the pipeline starts"):
         _ = tts.runtime  # closed again with the pipeline
+
+
+@pytest.mark.timeout(60)
+async def test_voice_changes_between_utterances_and_a_failed_one_is_skipped(
+    runtime: Runtime,
+) -> None:
+    voices: list[str] = []
+    generate = runtime.generate
+
+    def spy(**inputs: Any) -> Any:
+        voices.append(inputs["voice"])
+        return generate(**inputs)
+
+    runtime.generate = spy  # type: ignore[method-assign]
+    tts = MstarTTSService(runtime=runtime, voice="nobody", inputs={"seed": SHORT_SEED})
+    worker, recorder = _pipeline(tts)
+    use_tara = TTSUpdateSettingsFrame(delta=TTSSettings(voice="tara"))
+    await _run(worker, [TTSSpeakFrame(TEXT), use_tara, TTSSpeakFrame(TEXT), EndFrame()])
+    assert voices == ["nobody", "tara"]
+    assert len(_samples(recorder.audio())) == 7 * 2048  # only the second utterance spoke
+    assert not runtime.conductor.active and runtime.batching.engines["lm"].blocks_in_use == 0
+
+
+@pytest.mark.timeout(60)
+async def test_cancelling_the_pipeline_mid_speech_closes_the_owned_runtime() -> None:
+    tts = MstarTTSService(model=build_model("orpheus", size="tiny"), inputs={"seed": LONG_SEED})
+    worker, recorder = _pipeline(tts)
+    runner = WorkerRunner(handle_sigint=False)
+    await worker.queue_frames([TTSSpeakFrame(TEXT)])
+    await runner.add_workers(worker)
+    running = asyncio.create_task(runner.run())
+    await asyncio.wait_for(recorder.first_audio.wait(), timeout=30)
+    runtime = tts.runtime
+    assert tts.active_requests == 1
+    await worker.cancel()
+    await asyncio.wait_for(running, timeout=30)
+    assert tts.active_requests == 0 and not runtime.conductor.active
+    assert runtime.batching.engines["lm"].blocks_in_use == 0
+    with pytest.raises(RuntimeError, match="conductor is not running"):
+        runtime.generate(text=TEXT)  # the runtime was closed with the pipeline
+    with pytest.raises(RuntimeError, match="opens when the pipeline starts"):
+        _ = tts.runtime
 
 
 def test_the_service_needs_exactly_one_runtime_source() -> None:
