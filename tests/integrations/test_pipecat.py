@@ -66,11 +66,6 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # Pipecat runs on asyncio only
-
-
-@pytest.fixture
 async def runtime() -> AsyncIterator[Runtime]:
     async with open_runtime(build_model("orpheus", size="tiny")) as rt:
         yield rt
@@ -221,7 +216,10 @@ async def test_voice_changes_between_utterances_and_a_failed_one_is_skipped(
         return generate(**inputs)
 
     runtime.generate = spy  # type: ignore[method-assign]
-    tts = MstarTTSService(runtime=runtime, voice="nobody", inputs={"seed": SHORT_SEED})
+    # Pipecat ends an audio context that got no audio after stop_frame_timeout_s (3 s).
+    tts = MstarTTSService(
+        runtime=runtime, voice="nobody", inputs={"seed": SHORT_SEED}, stop_frame_timeout_s=0.5
+    )
     worker, recorder = _pipeline(tts)
     use_tara = TTSUpdateSettingsFrame(delta=TTSSettings(voice="tara"))
     await _run(worker, [TTSSpeakFrame(TEXT), use_tara, TTSSpeakFrame(TEXT), EndFrame()])
