@@ -249,6 +249,13 @@ async def test_cancelling_the_pipeline_mid_speech_closes_the_owned_runtime() -> 
         _ = tts.runtime
 
 
+def test_without_pipecat_the_import_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pipecat.frames.frames", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "mstar_async.integrations.pipecat")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'mstar-async\[voice\]'"):
+        importlib.import_module("mstar_async.integrations.pipecat")
+
+
 def test_the_service_needs_exactly_one_runtime_source() -> None:
     with pytest.raises(ValueError, match="either runtime= .* or model="):
         MstarTTSService()
