@@ -5,9 +5,11 @@ transport). Each sentence Pipecat aggregates becomes one ``runtime.generate(text
 request; its ``AudioChunk``s go out as ``TTSAudioRawFrame``s (16-bit mono PCM at the pipeline's
 output rate, resampled as a stream when that differs from the model's) as soon as they are made.
 
-Barge-in: an ``InterruptionFrame`` cancels every interruptible utterance in flight and waits
-until the runtime has released it (KV blocks back in the pool) before the frame travels on;
-Pipecat drops the audio already queued, so nothing of an interrupted utterance plays after.
+Barge-in: an ``InterruptionFrame`` cancels every interruptible utterance in flight. Pipecat
+cancels ``run_tts``, whose closing waits until the runtime has released the request (KV blocks
+back in the pool), before the frame travels on, and drops the audio already queued, so nothing
+of an interrupted utterance plays after it; the service then also waits for any utterance not
+released by then.
 
 Needs ``pip install 'mstar-async[voice]'`` (the ``pipecat-ai`` package).
 """
@@ -137,7 +139,7 @@ class MstarTTSService(TTSService):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         """Pipecat's TTS frame handling, plus barge-in: an ``InterruptionFrame`` cancels the
-        interruptible utterances in flight and passes on once the runtime released them."""
+        interruptible utterances in flight, and this returns once the runtime released them."""
         if not isinstance(frame, InterruptionFrame):
             await super().process_frame(frame, direction)
             return
