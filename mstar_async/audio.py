@@ -1,4 +1,4 @@
-"""Audio out: a stream of ``AudioChunk``s as raw PCM, WAV, FLAC or Ogg Vorbis bytes, or a file.
+"""Audio out: a stream of ``AudioChunk``s as raw PCM, WAV, FLAC, Ogg, MP3 or Opus bytes, or a file.
 
 - ``AudioEncoder(format)``: ``encode(chunk) -> bytes`` per chunk, then ``finish() -> bytes``.
   The first chunk declares the sample rate (mono); a later chunk at another rate is an error.
@@ -7,11 +7,11 @@
 
 Formats (``FORMATS``): ``pcm_s16le`` and ``pcm_f32le`` (headerless little-endian samples),
 ``wav`` (16-bit PCM), ``flac`` (16-bit), ``ogg`` (Vorbis), ``mp3`` (MPEG layer III, constant
-bitrate when streamed), ``opus`` (Ogg Opus; 8, 12, 16, 24 or 48 kHz only). Streamed WAV carries the RIFF and
-data sizes as 0xFFFFFFFF ("unknown, read to the end"), the usual header for a WAV of unknown
-length; a file written by ``write_audio`` has its exact sizes. Streamed FLAC, Ogg and MP3
-are produced by libsndfile (``soundfile``) as it writes them; their headers say "length
-unknown". Ogg (Vorbis, Opus) comes out a page at a time, so its bytes lag the audio.
+bitrate when streamed), ``opus`` (Ogg Opus; 8, 12, 16, 24 or 48 kHz only). Streamed WAV
+carries the RIFF and data sizes as 0xFFFFFFFF ("unknown, read to the end"), the usual header
+for a WAV of unknown length; a file written by ``write_audio`` has its exact sizes. Streamed
+FLAC, Ogg and MP3 are produced by libsndfile (``soundfile``) as it writes them; their headers
+say "length unknown". Ogg (Vorbis, Opus) comes out a page at a time, so its bytes lag the audio.
 """
 
 from __future__ import annotations

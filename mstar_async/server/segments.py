@@ -117,7 +117,7 @@ class SegmentedSpeech:
         Safe to cancel: the request of the segment being spoken is closed first. Raises what a
         segment's request or ``emit`` raises.
         """
-        async with self._receive:
+        async with self._receive, self._send:  # both closed however the session ends
             async for epoch, number, text in self._receive:
                 if epoch != self._epoch:
                     continue
