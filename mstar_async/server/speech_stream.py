@@ -168,12 +168,21 @@ async def speech_stream(ws: WebSocket) -> None:
             tg.start_soon(session.synthesise, tg.cancel_scope)
             # After "end" this keeps listening, so a cancel or a disconnect still stops speech.
             while True:
-                await session.handle(await ws.receive_text())
+                await session.handle(await _receive_text(ws))
     except* (WebSocketDisconnect, ClosedResourceError):
         left = True  # the task group has cancelled (and closed) the request being spoken
     if not left:
         with suppress(RuntimeError):  # the client closed first
             await ws.close()
+
+
+async def _receive_text(ws: WebSocket) -> str:
+    """The next text frame; a binary frame reads as invalid JSON (answered with an error)."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    return text if isinstance(text, str) else "<a binary frame: send JSON text frames>"
 
 
 def routes() -> list[BaseRoute]:

@@ -21,6 +21,7 @@ import openai
 import pytest
 import soundfile
 import torch
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from mstar_async.models import build_model
@@ -244,6 +245,26 @@ def test_websocket_speaks_each_flushed_segment_in_order(live: Live) -> None:
     for k in set(audio_segments):  # each segment's audio comes before its segment_done
         last_audio = max(i for i, e in enumerate(events) if e.get("segment") == k and "data" in e)
         assert last_audio < events.index({"type": "segment_done", "segment": k})
+
+
+def test_websocket_answers_bad_messages_and_a_bad_query_with_errors(live: Live) -> None:
+    with _ws(live, "model=orpheus&format=json&max_tokens=14") as ws:
+        json.loads(ws.recv())  # ready
+        ws.send(b"\x00\x01")
+        assert "JSON is malformed" in json.loads(ws.recv())["error"]["message"]
+        ws.send(json.dumps({"type": "shout"}))
+        error = json.loads(ws.recv())["error"]
+        assert error["param"] == "type" and "'shout'" in error["message"]
+        ws.send(json.dumps({"type": "end"}))  # nothing buffered: done at once
+        assert json.loads(ws.recv()) == {"type": "done"}
+    with _ws(live, "model=bagel") as ws:
+        assert json.loads(ws.recv())["error"]["param"] == "model"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    info = {m.id: m.model_extra["info"] for m in live.client.models.list().data}
+    assert info["orpheus"]["sample_rate"] == RATE and "tara" in info["orpheus"]["voices"]
+    assert info["bagel"] == {"image_size": 64}
 
 
 def test_websocket_cancel_and_disconnect_free_the_kv_blocks(live: Live) -> None:
