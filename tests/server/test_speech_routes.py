@@ -114,6 +114,17 @@ def test_sse_speech_streams_deltas_then_done(live: Live) -> None:
     assert len(events) > 2  # pieces as synthesised, not one blob
 
 
+def test_qwen3_omni_speaks_its_reply_on_the_speech_route(live: Live) -> None:
+    pcm = _speak(
+        live,
+        model="qwen3-omni",
+        voice="Chelsie",
+        response_format="pcm",
+        extra_body={"max_tokens": 2, "seed": 0},
+    )
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
