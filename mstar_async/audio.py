@@ -1,4 +1,4 @@
-"""Audio out: a stream of ``AudioChunk``s as raw PCM, WAV, FLAC or Ogg Vorbis bytes, or a file.
+"""Audio out: a stream of ``AudioChunk``s as raw PCM, WAV, FLAC, Ogg, MP3 or Opus bytes, or a file.
 
 - ``AudioEncoder(format)``: ``encode(chunk) -> bytes`` per chunk, then ``finish() -> bytes``.
   The first chunk declares the sample rate (mono); a later chunk at another rate is an error.
@@ -6,10 +6,12 @@
 - ``write_audio(path, chunks, format=None)``: a file, its format from the extension by default.
 
 Formats (``FORMATS``): ``pcm_s16le`` and ``pcm_f32le`` (headerless little-endian samples),
-``wav`` (16-bit PCM), ``flac`` (16-bit), ``ogg`` (Vorbis). Streamed WAV carries the RIFF and
-data sizes as 0xFFFFFFFF ("unknown, read to the end"), the usual header for a WAV of unknown
-length; a file written by ``write_audio`` has its exact sizes. Streamed FLAC and Ogg are
-produced by libsndfile (``soundfile``) as it writes them; their headers say "length unknown".
+``wav`` (16-bit PCM), ``flac`` (16-bit), ``ogg`` (Vorbis), ``mp3`` (MPEG layer III, constant
+bitrate when streamed), ``opus`` (Ogg Opus; 8, 12, 16, 24 or 48 kHz only). Streamed WAV
+carries the RIFF and data sizes as 0xFFFFFFFF ("unknown, read to the end"), the usual header
+for a WAV of unknown length; a file written by ``write_audio`` has its exact sizes. Streamed
+FLAC, Ogg and MP3 are produced by libsndfile (``soundfile``) as it writes them; their headers
+say "length unknown". Ogg (Vorbis, Opus) comes out a page at a time, so its bytes lag the audio.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from mstar_async.outputs import AudioChunk
 
-FORMATS = ("pcm_s16le", "pcm_f32le", "wav", "flac", "ogg")
+FORMATS = ("pcm_s16le", "pcm_f32le", "wav", "flac", "ogg", "mp3", "opus")
 EXTENSIONS = {
     ".wav": "wav",
     ".flac": "flac",
@@ -33,8 +35,19 @@ EXTENSIONS = {
     ".pcm": "pcm_s16le",
     ".raw": "pcm_s16le",
     ".f32": "pcm_f32le",
+    ".mp3": "mp3",
+    ".opus": "opus",
 }
-_SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS")}
+_SOUNDFILE = {
+    "flac": ("FLAC", "PCM_16"),
+    "ogg": ("OGG", "VORBIS"),
+    "mp3": ("MP3", "MPEG_LAYER_III"),
+    "opus": ("OGG", "OPUS"),
+}
+#: Streamed MP3 is constant-bitrate: libsndfile patches the VBR (Xing) frame count in only on
+#: close, and without it a reader can size a VBR stream only from its first frame's bitrate.
+#: libsndfile applies a bitrate mode only together with a compression level (0.5: ~96 kbit/s).
+_BITRATE_MODE = {"mp3": ("CONSTANT", 0.5)}
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
@@ -87,6 +100,11 @@ def wav_header(sample_rate: int, data_bytes: int = _UNKNOWN_SIZE) -> bytes:
         + b"data"
         + struct.pack("<I", data_bytes)
     )
+
+
+def _bitrate(format: str) -> dict[str, Any]:
+    mode = _BITRATE_MODE.get(format)
+    return {} if mode is None else {"bitrate_mode": mode[0], "compression_level": mode[1]}
 
 
 class AudioEncoder:
@@ -151,7 +169,13 @@ class AudioEncoder:
             container, subtype = _SOUNDFILE[self.format]
             self._sink = io.BytesIO()
             self._file = soundfile.SoundFile(
-                self._sink, "w", sample_rate, 1, subtype=subtype, format=container
+                self._sink,
+                "w",
+                sample_rate,
+                1,
+                subtype=subtype,
+                format=container,
+                **_bitrate(self.format),
             )
         return b""
 

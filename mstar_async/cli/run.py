@@ -3,8 +3,8 @@
 Any ``--name value`` after the model becomes the request input ``name`` (dashes become
 underscores), converted to the type of that input's default in the model's program.
 ``-o/--output PATH`` saves what the request produced; the writer is chosen by the file's
-extension from ``OUTPUT_WRITERS`` (audio: .wav, .flac, .ogg, .pcm, .raw, .f32), so a new kind of
-output registers its extensions there with ``register_output_writer``.
+extension from ``OUTPUT_WRITERS`` (audio: .wav, .flac, .ogg, .mp3, .opus, .pcm, .raw, .f32),
+so a new kind of output registers its extensions there with ``register_output_writer``.
 """
 
 from __future__ import annotations

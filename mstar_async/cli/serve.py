@@ -11,7 +11,9 @@ from typing import Any
 from mstar_async.errors import MstarError
 from mstar_async.placement import Placement
 
-DEFAULT_MODEL = "causal-lm"
+#: What ``mstar serve`` serves when given no model: a chat model and a speech model, so the
+#: text and speech routes answer out of the box (``--path`` alone serves causal-lm from it).
+DEFAULT_MODELS = ("causal-lm", "orpheus")
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -19,15 +21,16 @@ def add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve models over HTTP",
-        description="Serve models over HTTP: /v1/chat/completions, /v1/completions, /v1/models "
-        "(OpenAI-compatible), /generate (every model, streamed), /health, /metrics.",
+        description="Serve models over HTTP: /v1/chat/completions, /v1/completions, "
+        "/v1/audio/speech, /v1/images/generations, /v1/models (OpenAI-compatible), the "
+        "/v1/audio/speech/stream websocket, /generate (every model, streamed), /health, "
+        "/metrics.",
     )
     serve.add_argument(
         "models",
         nargs="*",
         metavar="MODEL",
-        default=[DEFAULT_MODEL],
-        help=f"model names from 'mstar models' (default: {DEFAULT_MODEL})",
+        help=f"model names from 'mstar models' (default: {' '.join(DEFAULT_MODELS)})",
     )
     serve.add_argument(
         "--path",
@@ -79,6 +82,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"
+    if not args.models:
+        args.models = ["causal-lm"] if args.path is not None else list(DEFAULT_MODELS)
     try:
         if args.path is not None and len(args.models) != 1:
             raise MstarError("--path is the checkpoint of one model: serve one model with it")

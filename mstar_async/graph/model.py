@@ -44,9 +44,13 @@ class Model:
         components: Mapping[str, ComponentFactory],
         edges: Sequence[Edge] = (),
         description: str = "",
+        info: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = check_name("model", name)
         self.description = description
+        #: Facts servers and clients read without running a request (JSON-able values), e.g.
+        #: ``sample_rate``, ``voices``, ``image_size``.
+        self.info: Mapping[str, Any] = MappingProxyType(dict(info or {}))
         self.program = program
         self.nodes: Mapping[str, Node] = MappingProxyType(_index_nodes(nodes))
         self.edges: tuple[Edge, ...] = tuple(edges)

@@ -1,10 +1,12 @@
-"""HTTP serving: an ASGI app with OpenAI-compatible text routes and a native streaming route.
+"""HTTP serving: an ASGI app with OpenAI-compatible routes and native streaming routes.
 
     create_app([ModelSpec(build_model("causal-lm"))], max_concurrent=64)  ->  Starlette app
     await serve(app, host="127.0.0.1", port=8000)                         ->  uvicorn, this loop
 
 Routes (see docs/http.md): ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /generate``.
+``POST /v1/chat/completions`` (text, or text and speech), ``POST /v1/completions``,
+``POST /v1/audio/speech``, ``POST /v1/images/generations``, the websocket
+``/v1/audio/speech/stream``, ``POST /generate``.
 """
 
 from __future__ import annotations

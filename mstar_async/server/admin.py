@@ -22,6 +22,7 @@ async def list_models(request: Request) -> Response:
             "owned_by": "mstar_async",
             "description": served.runtime.model.description,
             "inputs": served.inputs,
+            "info": dict(served.runtime.model.info),
             "max_concurrent": served.admission.limit,
         }
         for name, served in models.items()

@@ -14,11 +14,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
+from starlette.routing import BaseRoute
 
 from mstar_async.logs import get_logger
 from mstar_async.runtime import open_runtime
-from mstar_async.server import admin, generate, openai_text
+from mstar_async.server import admin, generate, images, openai_text, speech, speech_stream
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import (
     APIError,
@@ -33,9 +33,12 @@ from mstar_async.server.state import ServerState
 log = get_logger("mstar_async.server")
 
 #: Every route module the app mounts, in order.
-ROUTE_MODULES: tuple[Callable[[], list[Route]], ...] = (
+ROUTE_MODULES: tuple[Callable[[], Sequence[BaseRoute]], ...] = (
     admin.routes,
     openai_text.routes,
+    speech.routes,
+    speech_stream.routes,
+    images.routes,
     generate.routes,
 )
 

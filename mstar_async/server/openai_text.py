@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mstar_async.outputs import TextDelta
+from mstar_async.server.chat_audio import SpokenReply, spoken_reply, stream_chunks, whole_message
 from mstar_async.server.errors import APIError
 from mstar_async.server.schemas import (
     ChatCompletionRequest,
@@ -35,7 +36,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 
 
 @dataclass(frozen=True)
-class _Shape:
+class ResponseShape:
     """How one route's responses look: chat messages or plain completion text."""
 
     chat: bool
@@ -47,22 +48,31 @@ class _Shape:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
     def chunk(self, text: str | None, finish: str | None, *, first: bool = False) -> Any:
+        """One streamed chunk carrying ``text`` (and the role, ``first``) or ``finish``."""
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+            return self.delta_chunk(delta, finish)
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def delta_chunk(self, delta: dict[str, Any], finish: str | None = None) -> Any:
+        """A chat chunk with ``delta`` as it is."""
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def usage_chunk(self, usage: dict[str, int]) -> Any:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [], "usage": usage}
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> Any:
+    def whole(
+        self, text: str, finish: str, usage: dict[str, int], message: dict[str, Any] | None = None
+    ) -> Any:
+        """The whole reply; a chat reply's message is ``message`` when given."""
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message = message or {"role": "assistant", "content": text}
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -80,8 +90,10 @@ async def chat_completions(request: Request) -> Response:
     served = _served(request, body.model, needs="messages")
     inputs = _sampling_inputs(body, body.max_completion_tokens or body.max_tokens)
     inputs["messages"] = _messages(body.messages)
-    shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()))
-    return await _respond(request, served, CHAT_ROUTE, inputs, body, shape)
+    reply, speech = spoken_reply(body, served)
+    inputs.update(speech)
+    shape = ResponseShape(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()))
+    return await _respond(request, served, CHAT_ROUTE, inputs, body, shape, reply)
 
 
 async def completions(request: Request) -> Response:
@@ -98,7 +110,7 @@ async def completions(request: Request) -> Response:
     if len(prompts) != 1:
         raise APIError(400, f"one prompt per request is served, got {len(prompts)}", param="prompt")
     inputs["prompt"] = prompts[0]
-    shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()))
+    shape = ResponseShape(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()))
     return await _respond(request, served, COMPLETIONS_ROUTE, inputs, body, shape)
 
 
@@ -171,7 +183,8 @@ async def _respond(
     route: str,
     inputs: dict[str, Any],
     body: SamplingFields,
-    shape: _Shape,
+    shape: ResponseShape,
+    reply: SpokenReply | None = None,
 ) -> Response:
     _check_supported(served, inputs)
     # A stream answers at once (its first chunk carries the role); errors then come as events.
@@ -180,14 +193,25 @@ async def _respond(
     )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        if reply is not None:
+            return EventStreamResponse(stream_chunks(tracked, shape, reply, include_usage))
         return EventStreamResponse(_stream(tracked, shape, include_usage))
+    message: dict[str, Any] | None = None
     try:
-        text = await unless_disconnected(request.receive, lambda: _collect(tracked))
+        if reply is not None:
+            spoken = reply
+            message = await unless_disconnected(
+                request.receive, lambda: whole_message(tracked, spoken)
+            )
+            text = None if message is None else ""
+        else:
+            text = await unless_disconnected(request.receive, lambda: _collect(tracked))
     finally:
         await tracked.close()
     if text is None:  # the client is gone: nobody reads a response
         return Response(status_code=204)
-    return JSONResponse(shape.whole(text, _finish(tracked), _usage(tracked)))
+    usage = tracked.usage()
+    return JSONResponse(shape.whole(text, tracked.finish_reason(), usage, message))
 
 
 async def _collect(tracked: TrackedRequest) -> str:
@@ -195,7 +219,7 @@ async def _collect(tracked: TrackedRequest) -> str:
 
 
 async def _stream(
-    tracked: TrackedRequest, shape: _Shape, include_usage: bool
+    tracked: TrackedRequest, shape: ResponseShape, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
     try:
         if shape.chat:  # the role comes first, as OpenAI's streams do
@@ -203,25 +227,11 @@ async def _stream(
         async for item in tracked.outputs():
             if isinstance(item, TextDelta):
                 yield sse_event(shape.chunk(item.text, None))
-        yield sse_event(shape.chunk(None, _finish(tracked)))
+        yield sse_event(shape.chunk(None, tracked.finish_reason()))
         if include_usage:
-            yield sse_event(shape.usage_chunk(_usage(tracked)))
+            yield sse_event(shape.usage_chunk(tracked.usage()))
     except APIError as exc:
         yield sse_event(exc.body())
     finally:
         await tracked.close()
     yield DONE
-
-
-def _finish(tracked: TrackedRequest) -> str:
-    return tracked.end.finish_reason if tracked.end is not None else "stop"
-
-
-def _usage(tracked: TrackedRequest) -> dict[str, int]:
-    prompt = tracked.end.prompt_tokens if tracked.end is not None else 0
-    completion = tracked.end.completion_tokens if tracked.end is not None else 0
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }

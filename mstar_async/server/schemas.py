@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from mstar_async.server.speech_models import VoiceID
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -55,17 +57,56 @@ class SamplingFields(Struct, kw_only=True):
     user: str | None = None
 
 
+class ChatAudio(Struct):
+    """``audio`` of a chat completion: the voice and the format of the spoken reply."""
+
+    voice: str | VoiceID
+    format: str
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudio | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     """``POST /v1/completions``."""
 
     prompt: str | list[str]
+
+
+class SpeechRequest(Struct, kw_only=True):
+    """``POST /v1/audio/speech``; ``seed``, ``temperature``, ``top_p``, ``max_tokens`` are
+    extensions passed to the model when its program takes them."""
+
+    model: str
+    input: Annotated[str, Meta(min_length=1, max_length=4096)]
+    voice: str | VoiceID | None = None
+    response_format: str = "wav"
+    speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = None
+    seed: Annotated[int, Meta(ge=0)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: PositiveInt | None = None
+
+
+class ImageRequest(Struct, kw_only=True):
+    """``POST /v1/images/generations``; ``steps`` and ``seed`` are extensions."""
+
+    model: str
+    prompt: Annotated[str, Meta(min_length=1)]
+    n: PositiveInt = 1
+    size: str | None = None
+    response_format: str | None = None
+    output_format: str | None = None
+    steps: PositiveInt | None = None
+    seed: Annotated[int, Meta(ge=0)] | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):

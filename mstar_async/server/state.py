@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
 
 from mstar_async.server.metrics import ServerMetrics
 from mstar_async.server.served import ServedModels
@@ -22,7 +22,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.models)
 
 
-def server_state(request: Request) -> ServerState:
-    """The state of the app serving ``request``."""
+def server_state(request: HTTPConnection) -> ServerState:
+    """The state of the app serving ``request`` (an HTTP request or a websocket)."""
     state: ServerState = request.app.state.server
     return state

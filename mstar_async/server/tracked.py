@@ -135,6 +135,20 @@ class TrackedRequest:
             metrics.prompt_tokens.labels(model=model).inc(self.end.prompt_tokens)
             metrics.output_tokens.labels(model=model).inc(self.end.completion_tokens)
 
+    def finish_reason(self) -> str:
+        """Why the text ended (``"stop"`` when the model reported nothing)."""
+        return self.end.finish_reason if self.end is not None else "stop"
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI's ``usage`` from the closing ``TextEnd`` (zeros without one)."""
+        prompt = self.end.prompt_tokens if self.end is not None else 0
+        completion = self.end.completion_tokens if self.end is not None else 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
     async def _next(self) -> Any:
         """The next output, or None at the end; the first one records the TTFB."""
         try:

@@ -36,5 +36,5 @@ def test_mstar_run_json_reports_the_real_time_factor(capsys: pytest.CaptureFixtu
 
 
 def test_mstar_run_rejects_an_unknown_output_extension(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "orpheus", "-o", "out.mp3"]) == 2
-    assert "cannot save outputs as 'out.mp3': use one of .wav" in capsys.readouterr().err
+    assert main(["run", "orpheus", "-o", "out.aac"]) == 2
+    assert "cannot save outputs as 'out.aac': use one of .wav" in capsys.readouterr().err

