@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from mstar_async.server.served import ServedModel
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -50,6 +51,20 @@ class ServerMetrics:
             "from a request's arrival to its last output",
             labels,
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttfa = Histogram(
+            "mstar_time_to_first_audio_seconds",
+            "from a request's start to its first audio chunk (requests that made audio)",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.rtf = Histogram(
+            "mstar_real_time_factor",
+            "end-to-end seconds per second of audio made (below 1: faster than real time)",
+            labels,
+            buckets=RTF_BUCKETS,
             registry=self.registry,
         )
         self.prompt_tokens = Counter(

@@ -14,6 +14,7 @@ from mstar_async.server.served import ServedModel
 
 if TYPE_CHECKING:
     from mstar_async.conductor import RequestStream
+    from mstar_async.server.metrics import ServerMetrics
     from mstar_async.server.state import ServerState
 
 #: The status counted for a request whose client went away before it finished (nginx's).
@@ -131,9 +132,18 @@ class TrackedRequest:
             metrics.count(model, self.route, self.status)
         if self.status == 200:
             metrics.latency.labels(model=model, route=self.route).observe(self._elapsed())
+        self._record_audio(metrics, model)
         if self.end is not None:
             metrics.prompt_tokens.labels(model=model).inc(self.end.prompt_tokens)
             metrics.output_tokens.labels(model=model).inc(self.end.completion_tokens)
+
+    def _record_audio(self, metrics: ServerMetrics, model: str) -> None:
+        figures = self.stream.metrics
+        if self.status != 200 or figures.ttfa is None:
+            return
+        metrics.ttfa.labels(model=model, route=self.route).observe(figures.ttfa)
+        if figures.rtf is not None:
+            metrics.rtf.labels(model=model, route=self.route).observe(figures.rtf)
 
     def finish_reason(self) -> str:
         """Why the text ended (``"stop"`` when the model reported nothing)."""

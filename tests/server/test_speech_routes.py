@@ -307,3 +307,22 @@ def test_websocket_cancel_and_disconnect_free_the_kv_blocks(live: Live) -> None:
                 ws.send(json.dumps({"type": "end"}))
                 assert json.loads(ws.recv()) == {"type": "done"}
     assert served.admission.in_flight == 0
+
+
+def _histogram_count(metrics: str, name: str, route: str) -> float:
+    prefix = f'{name}_count{{model="orpheus",route="{route}"}} '
+    lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_speech_records_time_to_first_audio_and_real_time_factor(live: Live) -> None:
+    route = "/v1/audio/speech"
+    before = http("GET", live.url + "/metrics").body.decode()
+    audio = _speak(live, response_format="pcm")
+    after = http("GET", live.url + "/metrics").body.decode()
+    assert len(audio) > 0
+    for name in ("mstar_time_to_first_audio_seconds", "mstar_real_time_factor"):
+        grew = _histogram_count(after, name, route) - _histogram_count(before, name, route)
+        assert grew == 1, name
+    # A text-only request makes no audio, so it adds no TTFA sample.
+    assert _histogram_count(after, "mstar_time_to_first_audio_seconds", "/generate") == 0
