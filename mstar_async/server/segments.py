@@ -10,7 +10,6 @@ without changing the websocket protocol.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -19,10 +18,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from mstar_async.outputs import AudioChunk
-
-#: A sentence ends at ., !, ? (or their CJK forms), closing quotes/brackets allowed, followed
-#: by whitespace: "3.5" and "e.g." at the end of what arrived so far wait for more text.
-_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f]+[\"')\]\u201d\u2019]*\s+")
+from mstar_async.runtime.session import split_sentences
 
 
 class SentenceSplitter:
@@ -33,13 +29,8 @@ class SentenceSplitter:
 
     def push(self, text: str) -> list[str]:
         """Add ``text``; return the sentences it completes (stripped, non-empty)."""
-        self._pending += text
-        out = []
-        while match := _SENTENCE_END.search(self._pending):
-            sentence, self._pending = self._pending[: match.end()], self._pending[match.end() :]
-            if sentence.strip():
-                out.append(sentence.strip())
-        return out
+        sentences, self._pending = split_sentences(self._pending + text)
+        return sentences
 
     def flush(self) -> str | None:
         """The buffered text as one segment (None when only whitespace is buffered)."""
