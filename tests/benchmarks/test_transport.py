@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.common import quiet
 from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_transport
+from mstar_async.transport.shm import SHM_TENSOR_BYTES
 
 MESSAGES = ("ping", "step")
 # The first test runs the whole quick benchmark (five runtimes, eight worker processes):
@@ -57,14 +58,16 @@ def test_throughput_has_every_size_and_system(result: dict[str, Any]) -> None:
     assert [e["size_bytes"] for e in result["throughput"]] == [1 << 20, 8 << 20]
     for entry in result["throughput"]:
         systems = entry["systems"]
-        assert set(systems) == {"copy", "clone", "ipc", "tcp", "inproc"}
+        assert set(systems) == {"copy", "clone", "ipc", "ipc-frames", "tcp", "inproc"}
         for system in systems.values():
             assert system["gb_per_s"]["median"] > 0
             assert system["ms"]["median"] > 0
-        for transport in TRANSPORTS:
-            assert isinstance(systems[transport]["zero_copy_recv"], bool)
+        for link in ("ipc", "ipc-frames", "tcp"):
+            assert systems[link]["zero_copy_recv"] is True
+        # Over IPC, tensors of SHM_TENSOR_BYTES or more come through shared memory.
+        assert systems["ipc"]["shared_memory"] is (entry["size_bytes"] >= SHM_TENSOR_BYTES)
         assert systems["inproc"]["copies"] == 0
-        assert set(entry["ratios"]) == {"ipc/copy", "ipc/clone", "tcp/copy"}
+        assert set(entry["ratios"]) == {"ipc/copy", "ipc/clone", "ipc-frames/copy", "tcp/copy"}
 
 
 def test_every_placement_streams_audio_before_it_ends(result: dict[str, Any]) -> None:
