@@ -21,6 +21,11 @@ is cancelled hands its segments back at once (:meth:`ShmBatch.cancel`). Segments
 process that died without closing its pool are removed by :func:`sweep_orphans`, which a new
 pool runs once (it assumes one pid namespace, as processes that share IPC sockets have).
 
+Memory. A segment's capacity is the tensor's size rounded up to a power of two (tmpfs backs
+only the pages written, so the slack costs nothing). A pool keeps at most
+``_FREE_PER_CLASS`` (2) free segments per capacity, with their pages, beyond the one it hands
+out; more are unlinked as they are found free.
+
 A message's shared-memory tensors may be decoded once: the first receiver to release its
 tensor frees the segment for reuse.
 """

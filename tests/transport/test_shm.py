@@ -133,6 +133,16 @@ def test_a_bigger_tensor_takes_a_bigger_segment_and_a_smaller_fits_one(pool: Seg
     assert torch.equal(got, smaller) and pool.segments == 1
 
 
+def test_a_pool_keeps_two_free_segments_per_size(pool: SegmentPool) -> None:
+    tensor = torch.ones(SHM_TENSOR_BYTES // 4)
+    held = [round_trip(tensor, pool)[0] for _ in range(5)]
+    assert pool.segments == len(ours()) == 5
+    del held
+    gc.collect()
+    round_trip(tensor, pool)  # takes one free segment, keeps two, unlinks the other two
+    assert pool.segments == len(ours()) == 3
+
+
 def test_decoding_a_message_twice_is_refused(pool: SegmentPool) -> None:
     header, buffers = encode_value(torch.ones(SHM_TENSOR_BYTES // 4), shm_batch=pool.batch())
     first = decode_value(header, buffers)
