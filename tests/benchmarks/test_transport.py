@@ -18,6 +18,14 @@ from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_t
 from mstar_async.transport.shm import SHM_TENSOR_BYTES
 
 MESSAGES = ("ping", "step")
+SYSTEM_ROWS = (
+    "copy_ (baseline)",
+    "torch.clone",
+    f"ipc (shm >= {SHM_TENSOR_BYTES >> 20} MiB)",
+    "ipc, frames only",
+    "tcp",
+    "in-process hand-over",
+)
 # The first test runs the whole quick benchmark (five runtimes, eight worker processes):
 # about 30 s on two idle cores, several times that on a loaded machine.
 pytestmark = pytest.mark.timeout(420)
@@ -112,7 +120,7 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
                 row.split("|")[:2] == [f"{transport:>9} ", f" {message:>9} "] for row in rows
             ), (transport, message)
     for label in ("1 MB", "8 MB"):
-        for system in ("copy_ (baseline)", "torch.clone", "ipc", "tcp", "in-process hand-over"):
+        for system in SYSTEM_ROWS:
             assert any(row.startswith(f"{label:>6} |") and f" {system} |" in row for row in rows), (
                 label,
                 system,
@@ -122,3 +130,11 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
     for aim in result["aims"]:
         assert aim["aim"] in text
     assert text.count("NOT met") == sum(not aim["met"] for aim in result["aims"])
+
+
+def test_throughput_only_measures_tensors_alone() -> None:
+    out = run_transport(quick=True, repeat=1, progress=quiet, throughput_only=True)
+    assert out["latency"] == [] and out["placements"] == []
+    assert [e["size_bytes"] for e in out["throughput"]] == [1 << 20, 8 << 20]
+    assert len(out["aims"]) == 1 and "IPC throughput" in out["aims"][0]["aim"]
+    assert out["throughput"][1]["systems"]["ipc"]["shared_memory"] is True
