@@ -198,7 +198,8 @@ class Link(_Socket):
         for room is not sent).
 
         Raises:
-            TransportError: the link is closed, or ``msg`` holds a value that cannot travel.
+            TransportError: the link is closed, ``msg`` holds a value that cannot travel, or
+                a shared-memory segment cannot be made (``/dev/shm`` full).
         """
         parts, batch = self._encode(msg)
         await self._send_parts(parts, batch)
@@ -248,8 +249,8 @@ class Server(_Socket):
         Cancel-safe: whole or not at all.
 
         Raises:
-            TransportError: the server is closed, no peer ``identity`` is connected, or ``msg``
-                holds a value that cannot travel.
+            TransportError: the server is closed, no peer ``identity`` is connected, ``msg``
+                holds a value that cannot travel, or a shared-memory segment cannot be made.
         """
         parts, batch = self._encode(msg)
         await self._send_parts([identity, *parts], batch)
