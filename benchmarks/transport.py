@@ -11,7 +11,11 @@ Three measurements in one run, all on this machine:
    (and p90) over many round trips; the ratio ours/raw is taken within each repetition.
 2. ``throughput``: one-way transfer of a float32 tensor of 1 MB and 64 MB (8 MB in quick
    mode) over IPC and TCP (send, receive, decode; best of a few; each end with its own ZeroMQ
-   context and I/O thread, as two processes have), against plain memory copies
+   context and I/O thread, as two processes have), against plain memory copies. ``ipc`` is
+   what links over IPC do by default: tensors of at least ``SHM_TENSOR_BYTES`` (2 MiB) go
+   through shared memory (one copy into a recycled segment, the receiver maps it), smaller
+   ones as frames; ``ipc-frames`` is IPC with shared memory turned off (every tensor copied
+   into the kernel's socket and out again), as every IPC transfer was before. Measured
    on one thread: ``copy_`` into a buffer allocated once (the baseline; see below) and
    ``torch.clone`` (allocates, as a receive does). In-process the runtime hands a ``StepCall``
    over as a Python object: that is timed through an anyio memory stream (no bytes move, the
@@ -33,8 +37,9 @@ Three measurements in one run, all on this machine:
 Why ``copy_`` is the baseline for tensors: it is the cost of moving the bytes once, with no
 allocator in it. ``clone`` adds a fresh allocation whose pages fault in on first touch, which
 on a large tensor can cost more than the copy itself; comparing against it would flatter the
-transport. An IPC transfer copies the bytes twice (into the kernel and out again), which is
-why the aim asks for half of one copy, not parity.
+transport. An IPC transfer through frames copies the bytes twice (into the kernel and out
+again); through shared memory once, plus the receiver's page-table work to map the segment;
+the aim asks for half of one copy, not parity.
 
 Result (a JSON-ready dict)::
 
@@ -51,8 +56,10 @@ Result (a JSON-ready dict)::
                    "ours_p50_us": S, "ours_p90_us": S, "raw_p50_us": S,
                    "ratio_ours_raw": S}, ...],
       "throughput": [{"size_bytes": int, "label": "64 MB",
-                      "systems": {"copy": T, "clone": T, "ipc": T, "tcp": T, "inproc": T},
-                      "ratios": {"ipc/copy": S, "ipc/clone": S, "tcp/copy": S}}, ...],
+                      "systems": {"copy": T, "clone": T, "ipc": T, "ipc-frames": T, "tcp": T,
+                                  "inproc": T},
+                      "ratios": {"ipc/copy": S, "ipc/clone": S, "ipc-frames/copy": S,
+                                 "tcp/copy": S}}, ...],
       "placements": [{"placement": one of PLACEMENTS, "spec": dict | None,
                       "processes": int, "transport": "inproc" | "ipc" | "tcp",
                       "launcher": "none" | "local" | "remote", "torch_threads": int,
@@ -66,8 +73,11 @@ Result (a JSON-ready dict)::
     }
 
 where ``S`` is a ``Summary.to_json()`` (median, min, max, n over the repetitions or requests)
-and ``T`` is ``{"gb_per_s": S, "ms": S}`` plus ``"zero_copy_recv": bool`` for ipc and tcp
-(the decoded tensor points into the received frame) and ``"copies": 0`` for inproc.
+and ``T`` is ``{"gb_per_s": S, "ms": S}`` plus ``"zero_copy_recv": bool`` for ipc, ipc-frames
+and tcp (the decoded tensor points into the received frame or shared-memory segment),
+``"shared_memory": bool`` for ipc (the tensor came through shared memory) and ``"copies": 0``
+for inproc. ``--throughput-only`` (``throughput_only=True``) leaves ``latency`` and
+``placements`` empty and runs only the throughput aim.
 """
 
 from __future__ import annotations
@@ -100,6 +110,7 @@ from mstar_async.transport._measure import (
     measure_raw_latency,
     measure_throughput,
 )
+from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from mstar_async.worker.remote import RemoteLauncher
 
 __all__ = [
@@ -116,6 +127,10 @@ Progress = Callable[[str], None]
 
 #: The cross-process transports measured (IPC sockets and TCP on loopback).
 TRANSPORTS = ("ipc", "tcp")
+
+#: The links tensors are timed over: IPC as links use it (large tensors through shared
+#: memory), IPC with frames only, and TCP on loopback.
+_TENSOR_LINKS = {"ipc": ("ipc", None), "ipc-frames": ("ipc", False), "tcp": ("tcp", None)}
 
 #: The placements of the end-to-end measurement, by the names the result uses.
 PLACEMENTS = ("in-process", "single", "codec-split", "replicas", "codec-split-tcp")
@@ -227,36 +242,46 @@ async def _throughput(work: _Workload, progress: Progress) -> list[dict[str, Any
     entries: list[dict[str, Any]] = []
     for nbytes in work.sizes:
         rounds: list[dict[str, dict[str, float]]] = []
-        zero_copy = {transport: True for transport in TRANSPORTS}
+        links = tuple(_TENSOR_LINKS)
+        zero_copy = dict.fromkeys(links, True)
+        via_shm = True
         for rep in range(work.repeat):
             measured: dict[str, dict[str, float]] = {}
             clone = measure_clone(nbytes, 2 * work.throughput_iterations)
             measured["copy"] = {"gb_per_s": clone["copy_gb_per_s"], "ms": clone["copy_ms"]}
             measured["clone"] = {"gb_per_s": clone["clone_gb_per_s"], "ms": clone["clone_ms"]}
-            for transport in TRANSPORTS if rep % 2 == 0 else tuple(reversed(TRANSPORTS)):
-                result = await measure_throughput(transport, nbytes, work.throughput_iterations)
-                zero_copy[transport] &= bool(result["zero_copy_recv"])
-                measured[transport] = {"gb_per_s": result["gb_per_s"], "ms": result["ms"]}
+            for name in links if rep % 2 == 0 else tuple(reversed(links)):
+                transport, shared = _TENSOR_LINKS[name]
+                result = await measure_throughput(
+                    transport, nbytes, work.throughput_iterations, shared_memory=shared
+                )
+                zero_copy[name] &= bool(result["zero_copy_recv"])
+                if name == "ipc":
+                    via_shm &= bool(result["shared_memory"])
+                measured[name] = {"gb_per_s": result["gb_per_s"], "ms": result["ms"]}
             measured["inproc"] = await _handover(nbytes, 100)
             rounds.append(measured)
             progress(
                 f"throughput {_label(nbytes)} repetition {rep + 1}/{work.repeat}: "
                 + ", ".join(
                     f"{name} {measured[name]['gb_per_s']:.2f} GB/s"
-                    for name in ("copy", "clone", *TRANSPORTS)
+                    for name in ("copy", "clone", *links)
                 )
             )
         systems: dict[str, dict[str, Any]] = {}
-        for name in ("copy", "clone", *TRANSPORTS, "inproc"):
+        for name in ("copy", "clone", *links, "inproc"):
             systems[name] = {
                 key: summarize([r[name][key] for r in rounds]).to_json()
                 for key in ("gb_per_s", "ms")
             }
-        for transport in TRANSPORTS:
-            systems[transport]["zero_copy_recv"] = zero_copy[transport]
+        for name in links:
+            systems[name]["zero_copy_recv"] = zero_copy[name]
+        systems["ipc"]["shared_memory"] = via_shm
         systems["inproc"]["copies"] = 0
         rates = [{name: r[name]["gb_per_s"] for name in r} for r in rounds]
-        ratios = ratio_table(rates, [("ipc", "copy"), ("ipc", "clone"), ("tcp", "copy")])
+        ratios = ratio_table(
+            rates, [("ipc", "copy"), ("ipc", "clone"), ("ipc-frames", "copy"), ("tcp", "copy")]
+        )
         entries.append(
             {
                 "size_bytes": nbytes,
@@ -519,11 +544,16 @@ def _loop_name() -> str:
 
 
 async def run_transport_async(
-    *, quick: bool = False, repeat: int = 3, progress: Progress = quiet
+    *,
+    quick: bool = False,
+    repeat: int = 3,
+    progress: Progress = quiet,
+    throughput_only: bool = False,
 ) -> dict[str, Any]:
     """Run the transport benchmark on the running event loop; see the module doc for the
     result's shape. ``quick`` measures fewer round trips, 1 MB and 8 MB tensors (not 64 MB),
-    and 2 requests per placement with shorter speech.
+    and 2 requests per placement with shorter speech. ``throughput_only`` skips the latency
+    and placement measurements.
 
     Raises:
         ValueError: ``repeat`` < 1.
@@ -534,21 +564,25 @@ async def run_transport_async(
     machine = machine_info()
     progress(f"transport benchmark ({work.mode} mode): header codec")
     header = measure_header(work.header_iterations)
-    latency = await _latency(work, progress)
+    latency = [] if throughput_only else await _latency(work, progress)
     throughput = await _throughput(work, progress)
-    placements = await _placements(work, progress)
+    placements = [] if throughput_only else await _placements(work, progress)
     machine["load_average_end"] = machine_info()["load_average"]
     notes = [
         "latency: both ends in this process on one event loop; raw = bare zmq.asyncio "
         "DEALER/ROUTER echoing one 4-byte frame",
-        "throughput: best of a few one-way transfers per repetition; copies on one thread",
+        "throughput: best of a few one-way transfers per repetition; copies on one thread; "
+        "ipc sends tensors of at least SHM_TENSOR_BYTES through shared memory, ipc-frames "
+        "never does",
         "inproc: a StepCall handed over through an anyio memory stream; the receiver gets "
         "the same tensor object (no bytes move), so its GB/s is only nominal",
         "placements: codec-split-tcp is codec-split with both ranks run as `mstar worker` "
         "processes joined over loopback TCP (RemoteLauncher), as on other hosts; last audio "
         "is the end of the streamed speech, total adds the request's image walk",
     ]
-    if quick:
+    if throughput_only:
+        notes.append("throughput only: no latency or placement measurements")
+    elif quick:
         notes.append(
             "quick mode: the placements' runtimes open concurrently, so startup_s overlaps"
         )
@@ -583,10 +617,15 @@ async def run_transport_async(
 
 
 def run_transport(
-    *, quick: bool = False, repeat: int = 3, progress: Progress | None = None
+    *,
+    quick: bool = False,
+    repeat: int = 3,
+    progress: Progress | None = None,
+    throughput_only: bool = False,
 ) -> dict[str, Any]:
     """Run the transport benchmark on a fresh event loop (uvloop when installed) and return
-    its result (see the module doc). Progress goes to stderr unless ``progress`` is given.
+    its result (see the module doc). Progress goes to stderr unless ``progress`` is given;
+    ``throughput_only`` skips the latency and placement measurements.
 
     Raises:
         ValueError: ``repeat`` < 1.
@@ -595,7 +634,9 @@ def run_transport(
     log: Progress = progress if progress is not None else ProgressLog()
 
     async def main() -> dict[str, Any]:
-        return await run_transport_async(quick=quick, repeat=repeat, progress=log)
+        return await run_transport_async(
+            quick=quick, repeat=repeat, progress=log, throughput_only=throughput_only
+        )
 
     try:
         import uvloop  # noqa: F401
@@ -658,11 +699,12 @@ def format_transport(result: dict[str, Any]) -> str:
         "copy": "copy_ (baseline)",
         "clone": "torch.clone",
         "inproc": "in-process hand-over",
-        "ipc": "ipc",
+        "ipc": f"ipc (shm >= {SHM_TENSOR_BYTES >> 20} MiB)",
+        "ipc-frames": "ipc, frames only",
         "tcp": "tcp",
     }
     for e in result["throughput"]:
-        for name in ("copy", "clone", "ipc", "tcp", "inproc"):
+        for name in ("copy", "clone", "ipc", "ipc-frames", "tcp", "inproc"):
             system = e["systems"][name]
             ratio = e["ratios"].get(f"{name}/copy")
             if name == "copy":
@@ -671,7 +713,7 @@ def format_transport(result: dict[str, Any]) -> str:
                 versus = _cell(ratio, 2, "x")
             else:
                 versus = "-"
-            if name in ("ipc", "tcp"):
+            if name in _TENSOR_LINKS:
                 zero_copy = "yes" if system["zero_copy_recv"] else "no"
             else:
                 zero_copy = "-"

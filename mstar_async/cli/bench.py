@@ -134,6 +134,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
+    transport.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="only the tensor throughput measurement (no round trips, no placements)",
+    )
     transport.set_defaults(handler=_transport)
     _add_rollout_parser(kinds)
     _add_vla_parser(kinds)
@@ -287,7 +292,11 @@ def _transport(args: argparse.Namespace, _: list[str]) -> int:
         _ensure_benchmarks()
         from benchmarks.transport import format_transport, run_transport
 
-        report = run_transport(quick=args.quick, repeat=1 if args.quick else args.repeat)
+        report = run_transport(
+            quick=args.quick,
+            repeat=1 if args.quick else args.repeat,
+            throughput_only=args.throughput_only,
+        )
     except MstarError as exc:
         print(f"mstar bench transport: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ processes the same message travels as a small typed header plus raw tensor frame
   buffers; :func:`register_wire_type` lets a dataclass travel;
 - :mod:`~mstar_async.transport.wire`: the message structs and :func:`encode_message` /
   :func:`decode_message`;
+- :mod:`~mstar_async.transport.shm`: shared-memory segments that carry large tensors between
+  processes on one host (IPC links use them for tensors of :data:`SHM_TENSOR_BYTES` or more);
 - :mod:`~mstar_async.transport.zmq_link`: :class:`ZmqHub`, the ROUTER :class:`Server` and the
   DEALER :class:`Link` over ``zmq.asyncio`` (IPC and TCP).
 """
@@ -32,6 +34,7 @@ from mstar_async.transport.errors import (
     remote_error_name,
 )
 from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
+from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from mstar_async.transport.wire import (
     ErrorInfo,
     FetchTensor,
@@ -54,6 +57,7 @@ __all__ = [
     "EXPORT_OP",
     "IMPORT_OP",
     "INLINE_TENSOR_BYTES",
+    "SHM_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
     "ErrorInfo",
     "FetchTensor",

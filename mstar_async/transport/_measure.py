@@ -175,9 +175,13 @@ async def measure_raw_latency(transport: str, iterations: int = 2000) -> dict[st
         names.close()
 
 
-async def measure_throughput(transport: str, nbytes: int, iterations: int = 5) -> dict[str, float]:
-    """One-way tensor transfer (send, receive, decode) of ``nbytes``: best GB/s, and whether
-    the decoded tensor points into the received frame (zero-copy receive).
+async def measure_throughput(
+    transport: str, nbytes: int, iterations: int = 5, *, shared_memory: bool | None = None
+) -> dict[str, float]:
+    """One-way tensor transfer (send, receive, decode) of ``nbytes``: best GB/s, whether the
+    decoded tensor points into the received frame or shared-memory segment (zero-copy
+    receive), and whether it came through shared memory (the default over IPC for tensors
+    of at least ``SHM_TENSOR_BYTES``; ``shared_memory=False`` sends frames).
 
     The two ends open their sockets in separate hubs, so each has its own ZeroMQ context and
     I/O thread, as a conductor and a worker in two processes do: with one shared I/O thread,
@@ -186,24 +190,46 @@ async def measure_throughput(transport: str, nbytes: int, iterations: int = 5) -
     tensor = torch.ones(nbytes // 4, dtype=torch.float32)
     with ZmqHub() as receiver, ZmqHub() as sender:
         server = receiver.bind(_endpoint(receiver, transport))
-        link = sender.connect(server.endpoint, identity=b"bench")
+        link = sender.connect(server.endpoint, identity=b"bench", shared_memory=shared_memory)
         msg = StepRequest(1, "r", "e", "o", inputs={"x": tensor})
         zero_copy = True
+        via_shm = False
 
         async def transfer() -> None:
-            nonlocal zero_copy
+            nonlocal zero_copy, via_shm
             await link.send(msg)
             _, frames = await server.recv_frames()
             received = decode_message(frames)
             assert isinstance(received, StepRequest)
             out = received.inputs["x"]
-            view = frames[1].buffer
-            start = _address(view)
-            zero_copy &= start <= out.data_ptr() < start + view.nbytes
+            if len(frames) > 1:
+                view = frames[1].buffer
+                start = _address(view)
+                zero_copy &= start <= out.data_ptr() < start + view.nbytes
+            else:
+                via_shm = True
+                zero_copy &= _in_segment(out.data_ptr())
 
         await transfer()
         best = min(await _timed(transfer, iterations))
-        return {"gb_per_s": nbytes / best / 1e9, "ms": best * 1e3, "zero_copy_recv": zero_copy}
+        return {
+            "gb_per_s": nbytes / best / 1e9,
+            "ms": best * 1e3,
+            "zero_copy_recv": zero_copy,
+            "shared_memory": via_shm,
+        }
+
+
+def _in_segment(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a shared-memory segment (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "/mstar-" in fields[5]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
 
 
 def measure_clone(nbytes: int, iterations: int = 10) -> dict[str, float]:

@@ -19,12 +19,22 @@ ext code    payload
 4 set       msgpack array of the items
 5 frozenset msgpack array of the items
 6 inline    ``uint8 dtype code, uint8 ndim, int64 dims[ndim]`` then the tensor's bytes
+7 shm       ``uint8 dtype code, uint8 ndim, int64 dims[ndim]`` then the name (UTF-8) of
+            the shared-memory segment that holds the bytes
 ==========  =========================================================================
 
 Small tensors inline. A tensor of fewer than :data:`INLINE_TENSOR_BYTES` bytes (a decode
 step's token ids, positions, block table) travels inside the header (ext 6): a frame costs a
 ``zmq.Frame`` on each side and a tensor built over foreign memory, several microseconds,
 while copying a few hundred bytes costs a fraction of one. Larger tensors travel as frames.
+
+Large tensors through shared memory. When the encoder is given an
+:class:`~mstar_async.transport.shm.ShmBatch` (links over IPC, between processes of one host,
+do this), tensors of at least :data:`~mstar_async.transport.shm.SHM_TENSOR_BYTES` are copied
+once into a shared-memory segment and only its name travels (ext 7); the decoder maps the
+segment and builds the tensor over it, no copy (see :mod:`mstar_async.transport.shm` for
+who owns the segment and when it is reused). Any process on the host can decode such a
+message; one on another host cannot, so TCP links never use it.
 
 Copies. Encoding copies no frame tensor's bytes: each buffer is a ``memoryview`` over the
 tensor's own storage (through ``Tensor.numpy()``, reinterpreted as a same-width integer type
@@ -59,6 +69,7 @@ import msgspec
 import numpy as np
 import torch
 
+from mstar_async.transport import shm
 from mstar_async.transport.errors import TransportError
 
 __all__ = [
@@ -89,6 +100,7 @@ _EXT_DATACLASS = 3
 _EXT_SET = 4
 _EXT_FROZENSET = 5
 _EXT_INLINE = 6
+_EXT_SHM = 7
 
 #: Tensors of fewer bytes than this travel inside the msgpack header; larger ones as frames.
 #: Below it, a frame's fixed cost (a zmq.Frame each side, a tensor over a foreign buffer)
@@ -365,13 +377,19 @@ def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpa
         head = _inline_head(ndim).pack(_CODE_OF[name], ndim, *shape)
         return _Ext(_EXT_INLINE, head + ctypes.string_at(t.data_ptr(), nbytes))
     view = _DTYPES[name].view
-    buffers.append((t if view is t.dtype else t.view(view)).numpy().data)
+    data = (t if view is t.dtype else t.view(view)).numpy().data
+    if nbytes >= shm.SHM_TENSOR_BYTES:
+        batch: shm.ShmBatch | None = getattr(_encoding, "shm", None)
+        if batch is not None:
+            head = _inline_head(ndim).pack(_CODE_OF[name], ndim, *shape)
+            return _Ext(_EXT_SHM, head + batch.write(data).encode())
+    buffers.append(data)
     head = _FRAME_HEAD.pack(len(buffers) - 1, _CODE_OF[name], ndim)
     return _Ext(_EXT_TENSOR, head + _dims(ndim).pack(*shape))
 
 
 def _encode_list(value: list[Any], buffers: list[Buffer]) -> Any:
-    return [to_wire(item, buffers) for item in value]
+    return [_to_wire(item, buffers) for item in value]
 
 
 def _encode_dict(value: dict[Any, Any], buffers: list[Buffer]) -> Any:
@@ -382,20 +400,20 @@ def _encode_dict(value: dict[Any, Any], buffers: list[Buffer]) -> Any:
                 f"cannot send a dict with a key of type {type(key).__qualname__} "
                 f"({key!r}); dict keys must be str"
             )
-        out[key] = to_wire(item, buffers)
+        out[key] = _to_wire(item, buffers)
     return out
 
 
 def _encode_tuple(value: tuple[Any, ...], buffers: list[Buffer]) -> Any:
-    return _Ext(_EXT_TUPLE, _encode([to_wire(item, buffers) for item in value]))
+    return _Ext(_EXT_TUPLE, _encode([_to_wire(item, buffers) for item in value]))
 
 
 def _encode_set(value: set[Any], buffers: list[Buffer]) -> Any:
-    return _Ext(_EXT_SET, _encode([to_wire(item, buffers) for item in value]))
+    return _Ext(_EXT_SET, _encode([_to_wire(item, buffers) for item in value]))
 
 
 def _encode_frozenset(value: frozenset[Any], buffers: list[Buffer]) -> Any:
-    return _Ext(_EXT_FROZENSET, _encode([to_wire(item, buffers) for item in value]))
+    return _Ext(_EXT_FROZENSET, _encode([_to_wire(item, buffers) for item in value]))
 
 
 _ENCODERS: dict[type[Any], Callable[[Any, list[Buffer]], Any]] = {
@@ -408,17 +426,37 @@ _ENCODERS: dict[type[Any], Callable[[Any, list[Buffer]], Any]] = {
 }
 
 
-def to_wire(value: Any, buffers: list[Buffer]) -> Any:
+# The shared-memory batch of the message being encoded (None: tensors go in frames); set by
+# to_wire around one encoding, per thread, like the decoder's buffers below.
+_encoding = threading.local()
+
+
+def to_wire(value: Any, buffers: list[Buffer], shm_batch: shm.ShmBatch | None = None) -> Any:
     """``value`` as a tree msgspec can encode: tensors and non-msgpack kinds become ext values.
 
     Tensors of at least :data:`INLINE_TENSOR_BYTES` append their buffer to ``buffers`` (the
-    index goes in the header); smaller ones travel inside the header. Use this to embed a value
-    tree in a larger msgspec message, as :mod:`mstar_async.transport.wire` does.
+    index goes in the header); smaller ones travel inside the header. With ``shm_batch``,
+    tensors of at least :data:`~mstar_async.transport.shm.SHM_TENSOR_BYTES` are copied into
+    its pool's shared-memory segments instead (only for a receiver on this host; on a failed
+    send, ``shm_batch.cancel()``). Use this to embed a value tree in a larger msgspec message,
+    as :mod:`mstar_async.transport.wire` does.
 
     Raises:
         TransportError: a value of a type that cannot travel (the message names the type and
-            how to register it), or a dict key that is not a str.
+            how to register it), a dict key that is not a str, or a segment that cannot be
+            made.
     """
+    if shm_batch is None:
+        return _to_wire(value, buffers)
+    saved = getattr(_encoding, "shm", None)
+    _encoding.shm = shm_batch
+    try:
+        return _to_wire(value, buffers)
+    finally:
+        _encoding.shm = saved
+
+
+def _to_wire(value: Any, buffers: list[Buffer]) -> Any:
     tp = type(value)
     if tp in _SCALARS:
         return value
@@ -427,7 +465,7 @@ def to_wire(value: Any, buffers: list[Buffer]) -> Any:
         return encode(value, buffers)
     wire_type = _TYPES_BY_CLASS.get(tp)
     if wire_type is not None:
-        fields = [to_wire(getattr(value, f), buffers) for f in wire_type.fields]
+        fields = [_to_wire(getattr(value, f), buffers) for f in wire_type.fields]
         return _Ext(_EXT_DATACLASS, _encode([wire_type.name, fields]))
     if isinstance(value, torch.Tensor):  # a subclass, e.g. nn.Parameter
         return _encode_tensor(value, buffers)
@@ -442,9 +480,12 @@ def _encode(tree: Any) -> bytes:
         raise TransportError(f"cannot encode value: {exc}") from exc
 
 
-def encode_value(value: Any) -> tuple[bytes, list[Buffer]]:
+def encode_value(
+    value: Any, *, shm_batch: shm.ShmBatch | None = None
+) -> tuple[bytes, list[Buffer]]:
     """Encode a value tree as ``(header, buffers)``: small tensors inside the header, the bytes
-    of the others as the buffers, uncopied.
+    of the others as the buffers, uncopied (or, with ``shm_batch``, large ones in shared
+    memory, see :func:`to_wire`).
 
     Send it as the multipart message ``[header, *buffers]``. Synchronous, no I/O.
 
@@ -452,7 +493,7 @@ def encode_value(value: Any) -> tuple[bytes, list[Buffer]]:
         TransportError: a value that cannot travel; the message names its type.
     """
     buffers: list[Buffer] = []
-    return _encode(to_wire(value, buffers)), buffers
+    return _encode(to_wire(value, buffers, shm_batch)), buffers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,11 +544,25 @@ def _decode_inline_tensor(data: memoryview) -> torch.Tensor:
     return t if info.view is info.dtype else t.view(info.dtype)
 
 
+def _decode_shm_tensor(data: memoryview) -> torch.Tensor:
+    head = _inline_head(data[1])
+    code, _, *dims = head.unpack_from(data)
+    info = _dtype_of(code)
+    try:
+        name = bytes(data[head.size :]).decode()
+    except UnicodeDecodeError as exc:
+        raise TransportError(f"malformed shared-memory segment name: {exc}") from exc
+    t = torch.from_numpy(shm.map_array(name, info.numpy, dims))
+    return t if info.view is info.dtype else t.view(info.dtype)
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == _EXT_INLINE:
         return _decode_inline_tensor(data)
     if code == _EXT_TENSOR:
         return _decode_frame_tensor(data)
+    if code == _EXT_SHM:
+        return _decode_shm_tensor(data)
     if code == _EXT_DATACLASS:
         name, values = _value_decoder.decode(data)
         wire_type = _TYPES_BY_NAME.get(name)

@@ -44,6 +44,7 @@ from mstar_async.transport.errors import (
     remote_error_name,
 )
 from mstar_async.transport.messages import StepCall, TensorRef
+from mstar_async.transport.shm import ShmBatch
 
 __all__ = [
     "ErrorInfo",
@@ -249,22 +250,24 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message, ext_hook=ext_hook())
 
 
-def encode_message(msg: Message) -> list[Buffer]:
+def encode_message(msg: Message, *, shm_batch: ShmBatch | None = None) -> list[Buffer]:
     """Frame ``msg`` as ``[header, *tensor buffers]``, ready for ``send_multipart(copy=False)``.
 
     The tensor buffers share memory with the tensors in ``msg`` (see
-    :mod:`mstar_async.transport.codec` for the cases that copy). Synchronous, no I/O.
+    :mod:`mstar_async.transport.codec` for the cases that copy). With ``shm_batch`` (only for a
+    receiver on this host), large tensors go into its shared-memory segments instead of
+    frames; call ``shm_batch.cancel()`` if the message is then not sent. Synchronous, no I/O.
 
     Raises:
-        TransportError: ``msg`` is not a message, or a value in it cannot travel (the
-            message names the type and how to register it).
+        TransportError: ``msg`` is not a message, a value in it cannot travel (the message
+            names the type and how to register it), or a segment cannot be made.
     """
     if not isinstance(msg, _MESSAGE_TYPES):
         raise TransportError(f"encode_message: not a message: {type(msg).__qualname__}")
     buffers: list[Buffer] = []
     names = msg.__wire_values__
     if names:
-        wire = {name: to_wire(getattr(msg, name), buffers) for name in names}
+        wire = {name: to_wire(getattr(msg, name), buffers, shm_batch) for name in names}
         msg = msgspec.structs.replace(msg, **wire)
     try:
         header = _encoder.encode(msg)

@@ -19,6 +19,15 @@ in flight per worker. The ROUTER sets ROUTER_MANDATORY, so a send to a peer that
 raises :class:`TransportError` instead of vanishing. Pass ``hwm=N`` to cap queued messages per
 peer; a DEALER send then waits while its queue is full.
 
+Shared memory. Sockets on ``ipc://`` endpoints (so both ends are on this host) send tensors of
+at least :data:`~mstar_async.transport.shm.SHM_TENSOR_BYTES` through shared memory by default:
+the bytes are copied once into a segment of the hub's :class:`~mstar_async.transport.shm.
+SegmentPool` and the message carries its name, instead of being copied into the kernel's
+socket buffer and out again. ``shared_memory=False`` on :meth:`ZmqHub.bind` /
+:meth:`ZmqHub.connect` turns it off; TCP sockets never use it. Receiving needs nothing: any
+socket decodes such a message, as long as the sending hub is still open (its ``close()``
+unlinks the segments).
+
 Copies. Messages go out with ``copy=False``: frames of 64 KiB or more (``zmq.COPY_THRESHOLD``)
 are handed to libzmq by reference (a tensor must not be modified until it is sent), smaller ones
 are copied by pyzmq, which is cheaper for them. Received frames are ``zmq.Frame`` objects that
@@ -40,6 +49,7 @@ from typing import Self, TypeVar, cast
 import zmq
 import zmq.asyncio
 
+from mstar_async.transport import shm
 from mstar_async.transport.codec import Buffer
 from mstar_async.transport.errors import TransportError
 from mstar_async.transport.wire import Message, decode_message, encode_message
@@ -55,10 +65,17 @@ _IPC_PATH_MAX = 103
 class _Socket:
     """What Link and Server share: send/recv futures, cancel-safe receive, close."""
 
-    def __init__(self, hub: ZmqHub, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    def __init__(
+        self,
+        hub: ZmqHub,
+        sock: zmq.asyncio.Socket,
+        endpoint: str,
+        pool: shm.SegmentPool | None = None,
+    ) -> None:
         self._hub = hub
         self._sock = sock
         self._endpoint = endpoint
+        self._pool = pool
         self._pending: asyncio.Future[list[zmq.Frame]] | None = None
         self._receiving = False
         self._closed = False
@@ -73,10 +90,26 @@ class _Socket:
         """Whether :meth:`close` has run."""
         return self._closed
 
-    async def _send_parts(self, parts: Sequence[Buffer]) -> None:
-        if self._closed:
-            raise TransportError(f"send on a closed socket ({self._endpoint})")
+    @property
+    def shared_memory(self) -> bool:
+        """Whether this socket sends large tensors through shared memory."""
+        return self._pool is not None
+
+    def _encode(self, msg: Message) -> tuple[list[Buffer], shm.ShmBatch | None]:
+        if self._pool is None:
+            return encode_message(msg), None
+        batch = self._pool.batch()
         try:
+            return encode_message(msg, shm_batch=batch), batch
+        except BaseException:
+            batch.cancel()
+            raise
+
+    async def _send_parts(self, parts: Sequence[Buffer], batch: shm.ShmBatch | None = None) -> None:
+        future: asyncio.Future[object] | None = None
+        try:
+            if self._closed:
+                raise TransportError(f"send on a closed socket ({self._endpoint})")
             future = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
             # pyzmq sends at once when the queue has room and returns a finished future; only a
             # full queue (hwm > 0) makes us wait.
@@ -89,6 +122,11 @@ class _Socket:
                     f"no peer {bytes(parts[0])!r} connected to {self._endpoint}"
                 ) from exc
             raise TransportError(f"send failed on {self._endpoint}: {exc}") from exc
+        finally:
+            # A message that did not go out frees its segments; one that did leaves them to
+            # the receiver (a cancel that lands after the send finished must not free them).
+            if batch is not None and not _sent(future):
+                batch.cancel()
 
     async def _recv_parts(self) -> list[zmq.Frame]:
         if self._closed:
@@ -160,9 +198,11 @@ class Link(_Socket):
         for room is not sent).
 
         Raises:
-            TransportError: the link is closed, or ``msg`` holds a value that cannot travel.
+            TransportError: the link is closed, ``msg`` holds a value that cannot travel, or
+                a shared-memory segment cannot be made (``/dev/shm`` full).
         """
-        await self._send_parts(encode_message(msg))
+        parts, batch = self._encode(msg)
+        await self._send_parts(parts, batch)
 
     async def send_frames(self, frames: Sequence[Buffer]) -> None:
         """Send already-framed parts (``encode_message`` output, or raw bytes for benchmarks).
@@ -209,10 +249,11 @@ class Server(_Socket):
         Cancel-safe: whole or not at all.
 
         Raises:
-            TransportError: the server is closed, no peer ``identity`` is connected, or ``msg``
-                holds a value that cannot travel.
+            TransportError: the server is closed, no peer ``identity`` is connected, ``msg``
+                holds a value that cannot travel, or a shared-memory segment cannot be made.
         """
-        await self._send_parts([identity, *encode_message(msg)])
+        parts, batch = self._encode(msg)
+        await self._send_parts([identity, *parts], batch)
 
     async def send_frames(self, identity: bytes, frames: Sequence[Buffer]) -> None:
         """Send already-framed parts to ``identity``. Cancel-safe; raises as :meth:`send`."""
@@ -260,6 +301,7 @@ class ZmqHub:
     def __init__(self, *, io_threads: int = 1) -> None:
         self._ctx = zmq.asyncio.Context(io_threads=io_threads)
         self._sockets: set[_Socket] = set()
+        self._pool: shm.SegmentPool | None = None
         self._ipc_dir: str | None = None
         self._names = itertools.count()
         self._closed = False
@@ -283,17 +325,22 @@ class ZmqHub:
             raise TransportError(f"IPC path too long for a unix socket ({len(path)} bytes): {path}")
         return f"ipc://{path}"
 
-    def bind(self, endpoint: str | None = None, *, hwm: int = 0) -> Server:
+    def bind(
+        self, endpoint: str | None = None, *, hwm: int = 0, shared_memory: bool | None = None
+    ) -> Server:
         """Open a ROUTER :class:`Server` bound to ``endpoint`` (default: a fresh IPC endpoint).
 
         ``tcp://HOST:0`` binds a free port; read it back from :attr:`Server.endpoint`.
+        ``shared_memory``: send large tensors through shared memory (default: on for ``ipc://``
+        endpoints where ``/dev/shm`` exists; see the module notes).
 
         Raises:
-            TransportError: the hub is closed, or the endpoint cannot be bound (in use,
-                malformed).
+            TransportError: the hub is closed, the endpoint cannot be bound (in use,
+                malformed), or ``shared_memory=True`` on an endpoint that is not ``ipc://``.
         """
         self._check_open()
         target = self.ipc_endpoint() if endpoint is None else endpoint
+        pool = self._pool_for(target, shared_memory)
         sock = self._socket(zmq.ROUTER, hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -302,18 +349,28 @@ class ZmqHub:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise TransportError(f"cannot bind {target}: {exc}") from exc
-        return self._keep(Server(self, sock, bound))
+        return self._keep(Server(self, sock, bound, pool))
 
-    def connect(self, endpoint: str, *, identity: bytes | None = None, hwm: int = 0) -> Link:
+    def connect(
+        self,
+        endpoint: str,
+        *,
+        identity: bytes | None = None,
+        hwm: int = 0,
+        shared_memory: bool | None = None,
+    ) -> Link:
         """Open a DEALER :class:`Link` to ``endpoint``; messages queue until the peer is up.
 
         ``identity`` is what the server sees as this link's identity (default: one libzmq
         picks); give it when the server must address a known peer, e.g. ``b"rank-3"``.
+        ``shared_memory`` as for :meth:`bind`.
 
         Raises:
-            TransportError: the hub is closed, or the endpoint is malformed.
+            TransportError: the hub is closed, the endpoint is malformed, or
+                ``shared_memory=True`` on an endpoint that is not ``ipc://``.
         """
         self._check_open()
+        pool = self._pool_for(endpoint, shared_memory)
         sock = self._socket(zmq.DEALER, hwm)
         try:
             if identity is not None:
@@ -322,7 +379,7 @@ class ZmqHub:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise TransportError(f"cannot connect to {endpoint}: {exc}") from exc
-        return self._keep(Link(self, sock, endpoint))
+        return self._keep(Link(self, sock, endpoint, pool))
 
     def close(self) -> None:
         """Close every socket of this hub, end its context and remove its IPC folder.
@@ -335,6 +392,8 @@ class ZmqHub:
         for sock in list(self._sockets):
             sock.close()
         self._ctx.term()
+        if self._pool is not None:
+            self._pool.close()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -350,6 +409,21 @@ class ZmqHub:
         if self._closed:
             raise TransportError("ZmqHub is closed")
 
+    def _pool_for(self, endpoint: str, shared_memory: bool | None) -> shm.SegmentPool | None:
+        ipc = endpoint.startswith("ipc://")
+        if shared_memory is None:
+            shared_memory = ipc and shm.available()
+        elif shared_memory and not ipc:
+            raise TransportError(
+                f"shared_memory=True needs an ipc:// endpoint (both ends on this host), not "
+                f"{endpoint}; leave shared_memory unset for TCP"
+            )
+        if not shared_memory:
+            return None
+        if self._pool is None:
+            self._pool = shm.SegmentPool()
+        return self._pool
+
     def _socket(self, kind: int, hwm: int) -> zmq.asyncio.Socket:
         sock: zmq.asyncio.Socket = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
@@ -364,3 +438,12 @@ class ZmqHub:
     def _forget(self, sock: _Socket) -> None:
         with contextlib.suppress(KeyError):
             self._sockets.remove(sock)
+
+
+def _sent(future: asyncio.Future[object] | None) -> bool:
+    return (
+        future is not None
+        and future.done()
+        and not future.cancelled()
+        and future.exception() is None
+    )

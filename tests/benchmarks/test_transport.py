@@ -15,8 +15,17 @@ import pytest
 
 from benchmarks.common import quiet
 from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_transport
+from mstar_async.transport.shm import SHM_TENSOR_BYTES
 
 MESSAGES = ("ping", "step")
+SYSTEM_ROWS = (
+    "copy_ (baseline)",
+    "torch.clone",
+    f"ipc (shm >= {SHM_TENSOR_BYTES >> 20} MiB)",
+    "ipc, frames only",
+    "tcp",
+    "in-process hand-over",
+)
 # The first test runs the whole quick benchmark (five runtimes, eight worker processes):
 # about 30 s on two idle cores, several times that on a loaded machine.
 pytestmark = pytest.mark.timeout(420)
@@ -57,14 +66,16 @@ def test_throughput_has_every_size_and_system(result: dict[str, Any]) -> None:
     assert [e["size_bytes"] for e in result["throughput"]] == [1 << 20, 8 << 20]
     for entry in result["throughput"]:
         systems = entry["systems"]
-        assert set(systems) == {"copy", "clone", "ipc", "tcp", "inproc"}
+        assert set(systems) == {"copy", "clone", "ipc", "ipc-frames", "tcp", "inproc"}
         for system in systems.values():
             assert system["gb_per_s"]["median"] > 0
             assert system["ms"]["median"] > 0
-        for transport in TRANSPORTS:
-            assert isinstance(systems[transport]["zero_copy_recv"], bool)
+        for link in ("ipc", "ipc-frames", "tcp"):
+            assert systems[link]["zero_copy_recv"] is True
+        # Over IPC, tensors of SHM_TENSOR_BYTES or more come through shared memory.
+        assert systems["ipc"]["shared_memory"] is (entry["size_bytes"] >= SHM_TENSOR_BYTES)
         assert systems["inproc"]["copies"] == 0
-        assert set(entry["ratios"]) == {"ipc/copy", "ipc/clone", "tcp/copy"}
+        assert set(entry["ratios"]) == {"ipc/copy", "ipc/clone", "ipc-frames/copy", "tcp/copy"}
 
 
 def test_every_placement_streams_audio_before_it_ends(result: dict[str, Any]) -> None:
@@ -109,7 +120,7 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
                 row.split("|")[:2] == [f"{transport:>9} ", f" {message:>9} "] for row in rows
             ), (transport, message)
     for label in ("1 MB", "8 MB"):
-        for system in ("copy_ (baseline)", "torch.clone", "ipc", "tcp", "in-process hand-over"):
+        for system in SYSTEM_ROWS:
             assert any(row.startswith(f"{label:>6} |") and f" {system} |" in row for row in rows), (
                 label,
                 system,
@@ -119,3 +130,11 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
     for aim in result["aims"]:
         assert aim["aim"] in text
     assert text.count("NOT met") == sum(not aim["met"] for aim in result["aims"])
+
+
+def test_throughput_only_measures_tensors_alone() -> None:
+    out = run_transport(quick=True, repeat=1, progress=quiet, throughput_only=True)
+    assert out["latency"] == [] and out["placements"] == []
+    assert [e["size_bytes"] for e in out["throughput"]] == [1 << 20, 8 << 20]
+    assert len(out["aims"]) == 1 and "IPC throughput" in out["aims"][0]["aim"]
+    assert out["throughput"][1]["systems"]["ipc"]["shared_memory"] is True
