@@ -19,6 +19,7 @@ __all__ = [
     "CpuSample",
     "ProgressLog",
     "Summary",
+    "child_pids",
     "cpu_model",
     "cpu_sample",
     "foreign_cores",
@@ -188,6 +189,20 @@ def process_cpu_seconds(pid: int) -> float:
         # The command name (field 2) may hold spaces; the fields after its ")" are fixed.
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The ids of the direct child processes of ``pid`` (this process), from /proc; an empty
+    list where /proc does not say (not Linux)."""
+    pid = os.getpid() if pid is None else pid
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as listing:
+                children.extend(int(child) for child in listing.read().split())
+    except (OSError, ValueError):
+        return children
+    return children
 
 
 def cpu_sample(children: Sequence[int] = ()) -> CpuSample:

@@ -83,8 +83,8 @@ def test_config_and_inputs() -> None:
         request_inputs(config, len(prompts), prompts),
     )
     assert first["text"] == wrapped["text"] and wrapped["seed"] == first["seed"] + len(prompts)
-    assert preset(True, "qwen3-omni").systems == ("streaming", "sequential")
-    with pytest.raises(ValueError, match="only streaming and sequential"):
+    assert preset(True, "qwen3-omni").systems == ("streaming", "streaming_split", "sequential")
+    with pytest.raises(ValueError, match="runs only"):
         SpeechConfig(model="qwen3-omni")
     with pytest.raises(ValueError, match="systems"):
         SpeechConfig(systems=("nonsense",))
@@ -152,18 +152,30 @@ def test_quick_report_figures_are_consistent(report: dict[str, Any]) -> None:
         ours = result["systems"]["streaming"]["throughput_audio_s_per_s"]
         seq = result["systems"]["sequential"]["throughput_audio_s_per_s"]
         assert ratios["streaming/sequential"] == pytest.approx(ours / seq, rel=1e-2)
-    aims = report["aims"]
-    assert set(aims) == {
-        "ttfa_over_non_streaming_e2e",
-        "throughput_over_sequential",
-        "rtf_p50_over_pipeline",
-    }
-    assert all(isinstance(aim["met"], bool) for aim in aims.values())
+    assert set(report["aims"]) == {"streaming", "streaming_split"}
+    for aims in report["aims"].values():
+        assert set(aims) == {
+            "ttfa_over_non_streaming_e2e",
+            "throughput_over_sequential",
+            "rtf_p50_over_pipeline",
+        }
+        assert all(isinstance(aim["met"], bool) for aim in aims.values())
+    split = report["aims"]["streaming_split"]["throughput_over_sequential"]
+    assert (
+        split["value"]
+        == report["results"][-1]["ratios"]["throughput"]["streaming_split/sequential"]
+    )
 
 
 def test_text_report_and_plot(report: dict[str, Any], tmp_path: Path) -> None:
     text = format_report(report)
-    assert text.count(" pipeline ") == 2 and "aim throughput_over_sequential" in text
+    rows = [line.split() for line in text.splitlines() if line[:3].strip().isdigit()]
+    assert [(row[0], row[1]) for row in rows if row[1] == "pipeline"] == [
+        ("1", "pipeline"),
+        ("3", "pipeline"),
+    ]
+    assert len(rows) == 2 * len(SYSTEMS)
+    assert "aim streaming_split throughput_over_sequential" in text
     if plot_report(report, tmp_path / "speech.png"):
         assert (tmp_path / "speech.png").read_bytes()[:4] == b"\x89PNG"
 
