@@ -10,6 +10,8 @@ all at once, to:
 
 - ``streaming``: the runtime (one process): the LM's decode steps batch across requests and
   every 7 new codes stream a 28-token window to SNAC while the LM keeps going.
+- ``streaming_split``: the same, with the LM and SNAC on worker processes of their own (a
+  placement; the conductor stays in this process): as many compute processes as the pipeline.
 - ``non_streaming`` (baseline a): the same weights in one process, but each request decodes all
   of its codes first (the same LM walk, run to completion) and only then vocodes the whole
   utterance (SNAC over all its windows at once): one audio chunk per request.
@@ -17,15 +19,15 @@ all at once, to:
   pipeline: an LM stage process (this runtime's LM engine, batching the requests it holds) and
   a codec stage process, connected by ZeroMQ; the codec stage takes a request only once all of
   its codes have arrived and vocodes requests one at a time; one audio chunk per request.
-- ``sequential`` (baseline c): the streaming runtime, requests one after another.
+- ``sequential`` (baseline c): the streaming runtime serving the N requests one after another
+  (each one's times count from the round's start, so its wait for earlier ones is included).
 
 Per request: TTFA (submit to first audio), end-to-end time, RTF (end-to-end / audio seconds) and
 playback underruns: a player starts at the first chunk and plays continuously; a chunk that
 arrives after all earlier audio finished playing is an underrun, and the gap is stall time. Per
-system: audio seconds produced per wall second (sequential: over the sum of its requests'
-times). Every process runs torch with ``threads`` intra-op threads (1). ``foreign_cores`` records
-how many cores other processes kept busy meanwhile (the pipeline's stage processes count as
-its own).
+system: audio seconds produced per wall second. Every process runs torch with ``threads``
+intra-op threads (1). ``foreign_cores`` records how many cores other processes kept busy
+meanwhile (the pipeline's stage processes and the runtime's workers count as the system's own).
 """
 
 from __future__ import annotations
@@ -106,10 +108,10 @@ class SpeechConfig:
 
 
 def preset(quick: bool, model: str = "orpheus") -> SpeechConfig:
-    """The full workload, or the quick one (tiny model, N = 1 and 4, 57 tokens: 8 frames)."""
+    """The full workload, or the quick one (tiny model, N = 1 and 4, 43 tokens: 6 frames)."""
     systems = SYSTEMS if model == "orpheus" else _QWEN_SYSTEMS
     if quick:
-        max_tokens = 57 if model == "orpheus" else 8
+        max_tokens = 43 if model == "orpheus" else 8
         return SpeechConfig(model, "tiny", (1, 4), max_tokens, systems=systems)
     return SpeechConfig(model, systems=systems, max_tokens=211 if model == "orpheus" else 32)
 
@@ -213,9 +215,12 @@ def timing_of(chunks: Sequence[tuple[float, float]], e2e_s: float) -> RequestTim
 # --- the systems that run in this process ---------------------------------------------------
 
 
-async def stream_one(runtime: Runtime, inputs: dict[str, Any]) -> RequestTiming:
-    """Run one request, timing each ``AudioChunk`` as it arrives."""
-    started = time.perf_counter()
+async def stream_one(
+    runtime: Runtime, inputs: dict[str, Any], arrived: float | None = None
+) -> RequestTiming:
+    """Run one request, timing each ``AudioChunk`` as it arrives, from ``arrived`` (a
+    ``perf_counter`` time; default: now)."""
+    started = time.perf_counter() if arrived is None else arrived
     chunks: list[tuple[float, float]] = []
     async with runtime.generate(**inputs) as outputs:
         async for item in outputs:
@@ -243,9 +248,11 @@ async def run_concurrent(
 async def run_sequential(
     runtime: Runtime, requests: Sequence[dict[str, Any]]
 ) -> tuple[list[RequestTiming], float]:
-    """``requests`` one after another: their timings and the sum of their times."""
-    timings = [await stream_one(runtime, inputs) for inputs in requests]
-    return timings, sum(t.e2e_s for t in timings)
+    """``requests``, all arrived now, served one after another: their timings (from now, so
+    a request's wait for those before it counts) and the wall time until the last ended."""
+    arrived = time.perf_counter()
+    timings = [await stream_one(runtime, inputs, arrived) for inputs in requests]
+    return timings, time.perf_counter() - arrived
 
 
 # --- baseline models built from Orpheus' parts ----------------------------------------------
