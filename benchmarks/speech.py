@@ -748,7 +748,7 @@ def format_report(report: dict[str, Any]) -> str:
         "",
     ]
     header = (
-        f"{'N':>3} {'system':<14} | {'TTFA p50':>8} | {'TTFA p95':>8} | {'e2e p50':>7} | "
+        f"{'N':>3} {'system':<15} | {'TTFA p50':>8} | {'TTFA p95':>8} | {'e2e p50':>7} | "
         f"{'RTF p50':>7} | {'RTF p95':>7} | {'audio s/s':>9} | {'underruns':>9} | "
         f"{'stall s':>7} | {'foreign':>7}"
     )
@@ -757,7 +757,7 @@ def format_report(report: dict[str, Any]) -> str:
         for name, f in result["systems"].items():
             foreign = "-" if f["foreign_cores"] is None else f"{f['foreign_cores']:.2f}"
             lines.append(
-                f"{result['concurrency']:>3} {name:<14} | {f['ttfa_p50_s']:>8.2f} | "
+                f"{result['concurrency']:>3} {name:<15} | {f['ttfa_p50_s']:>8.2f} | "
                 f"{f['ttfa_p95_s']:>8.2f} | {f['e2e_p50_s']:>7.2f} | {f['rtf_p50']:>7.2f} | "
                 f"{f['rtf_p95']:>7.2f} | {f['throughput_audio_s_per_s']:>9.3f} | "
                 f"{f['underruns']:>9} | {f['stall_s_total']:>7.2f} | {foreign:>7}"
