@@ -32,6 +32,7 @@ meanwhile (the pipeline's stage processes and the runtime's workers count as the
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import tempfile
@@ -465,7 +466,10 @@ class Pipeline:
         try:
             if not self._started:
                 return
-            self._requests.send_pyobj(None)
+            import zmq
+
+            with contextlib.suppress(zmq.Again):  # no LM stage to hear it: terminated below
+                self._requests.send_pyobj(None, flags=zmq.NOBLOCK)
             for stage in self.stages:
                 stage.join(timeout=30)
         finally:
@@ -477,11 +481,6 @@ class Pipeline:
             self._results.close(linger=0)
             self._context.term()
             self._folder.cleanup()
-
-    @property
-    def pids(self) -> list[int]:
-        """The stage processes' ids (their CPU time is this system's own)."""
-        return [stage.pid for stage in self.stages if stage.pid is not None]
 
     def _receive(self) -> tuple[Any, Any]:
         deadline = time.monotonic() + _STAGE_TIMEOUT_S
