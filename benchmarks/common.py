@@ -19,11 +19,13 @@ __all__ = [
     "CpuSample",
     "ProgressLog",
     "Summary",
+    "child_pids",
     "cpu_model",
     "cpu_sample",
     "foreign_cores",
     "machine_info",
     "percentile",
+    "process_cpu_seconds",
     "quiet",
     "ratio_table",
     "summarize",
@@ -177,10 +179,46 @@ def _busy_seconds() -> float | None:
         return None
 
 
-def cpu_sample() -> CpuSample:
-    """Read the clocks now (Linux gives ``busy``; elsewhere it is ``None``)."""
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) that process ``pid`` has used so far, from /proc.
+
+    Raises:
+        OSError: the process does not exist or /proc is not there (not Linux).
+    """
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # The command name (field 2) may hold spaces; the fields after its ")" are fixed.
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The ids of the direct child processes of ``pid`` (this process), from /proc; an empty
+    list where /proc does not say (not Linux)."""
+    pid = os.getpid() if pid is None else pid
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as listing:
+                children.extend(int(child) for child in listing.read().split())
+    except (OSError, ValueError):
+        return children
+    return children
+
+
+def cpu_sample(children: Sequence[int] = ()) -> CpuSample:
+    """Read the clocks now (Linux gives ``busy``; elsewhere it is ``None``).
+
+    ``children`` are ids of processes whose CPU time counts as this process's own (worker or
+    stage processes of the system being measured); one that cannot be read counts as 0.
+    """
     times = os.times()
-    return CpuSample(time.perf_counter(), _busy_seconds(), times.user + times.system)
+    own = times.user + times.system
+    for pid in children:
+        try:
+            own += process_cpu_seconds(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    return CpuSample(time.perf_counter(), _busy_seconds(), own)
 
 
 def foreign_cores(start: CpuSample, end: CpuSample) -> float | None:

@@ -143,6 +143,7 @@ def add_bench_parser(sub: Any) -> None:
     _add_rollout_parser(kinds)
     _add_vla_parser(kinds)
     _add_image_parser(kinds)
+    _add_speech_parser(kinds)
 
 
 def _add_rollout_parser(kinds: Any) -> None:
@@ -282,6 +283,54 @@ def _image(args: argparse.Namespace, _: list[str]) -> int:
             plot_report(report, str(args.plot))
     except MstarError as exc:
         print(f"mstar bench image: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _add_speech_parser(kinds: Any) -> None:
+    speech = kinds.add_parser(
+        "speech",
+        help="streaming TTS: TTFA, RTF, underruns vs non-streaming, a stage pipeline, sequential",
+        description=(
+            "Time to first audio, RTF p50/p95, audio seconds per wall second and playback "
+            "underruns of orpheus (small) at 1, 4 and 16 concurrent requests through the "
+            "runtime, against (a) all codes first then the codec, in one process, (b) a "
+            "two-process LM stage -> codec stage pipeline without chunking, (c) the same "
+            "requests one after another. qwen3-omni (--model) runs the runtime and (c) only."
+        ),
+    )
+    speech.add_argument("--quick", action="store_true", help="tiny model, N=1,4, short requests")
+    speech.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    speech.add_argument("--model", choices=("orpheus", "qwen3-omni"), default="orpheus")
+    speech.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
+    speech.add_argument("--concurrency", type=_concurrency, help="comma-separated (1,4,16)")
+    speech.add_argument(
+        "--max-tokens", type=_positive, help="speech tokens per request (orpheus: 211 = 2.56 s)"
+    )
+    speech.add_argument("--threads", type=_positive, help="torch threads per process (1)")
+    speech.add_argument("--plot", type=Path, help="also draw RTF and TTFA to this PNG")
+    speech.set_defaults(handler=_speech)
+
+
+def _speech(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from benchmarks.common import ProgressLog
+        from benchmarks.speech import configure, format_report, plot_report, preset, run_speech_sync
+
+        config = configure(
+            preset(args.quick, args.model),
+            size=args.size,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            threads=args.threads,
+        )
+        report = run_speech_sync(config, ProgressLog())
+        if args.plot is not None and not plot_report(report, args.plot):
+            print("matplotlib is not installed: no plot", file=sys.stderr)
+    except (MstarError, ValueError) as exc:
+        print(f"mstar bench speech: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -10,9 +14,11 @@ from benchmarks.common import (
     CpuSample,
     ProgressLog,
     Summary,
+    child_pids,
     cpu_sample,
     foreign_cores,
     percentile,
+    process_cpu_seconds,
     ratio_table,
     summarize,
 )
@@ -95,3 +101,23 @@ def test_cpu_sample_reads_monotonic_clocks() -> None:
     assert second.wall > first.wall and second.own >= first.own
     if first.busy is not None and second.busy is not None:
         assert second.busy >= first.busy
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+def test_child_processes_and_their_cpu_time() -> None:
+    busy = "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy + "\ntime.sleep(5)"])
+    try:
+        assert child.pid in child_pids()
+        deadline = time.monotonic() + 10
+        while process_cpu_seconds(child.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_cpu_seconds(child.pid) >= 0.2
+        # A child's CPU time counts as this process's own when named.
+        assert cpu_sample([child.pid]).own >= cpu_sample().own + 0.15
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(OSError):
+        process_cpu_seconds(child.pid)
+    assert child.pid not in child_pids()
