@@ -9,7 +9,7 @@ uncopied. In Python those fields hold the live values: build ``StepRequest(..., 
 tensor})``, ``encode_message`` it, and ``decode_message`` gives back a ``StepRequest`` whose
 ``inputs`` holds tensors over the received frames.
 
-Conversation (the lead wires it up):
+The conversation (the pool and the worker process run it):
 
 - worker -> conductor, once, when it is ready: :class:`Hello`;
 - conductor -> worker: :class:`StepRequest` (reply: :class:`StepReply` with the same ``id``),
