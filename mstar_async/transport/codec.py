@@ -59,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import operator
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -187,6 +188,7 @@ class _WireType:
     name: str
     fields: tuple[str, ...]
     positional: bool  # every init field can be passed by position (none is keyword-only)
+    values: Callable[[Any], Sequence[Any]]  # an instance's init field values, in order
 
 
 _TYPES_BY_CLASS: dict[type[Any], _WireType] = {}
@@ -224,10 +226,20 @@ def register_wire_type(cls: type[T], *, name: str | None = None) -> type[T]:
         )
     init = [f for f in dataclasses.fields(cls) if f.init]
     positional = not any(f.kw_only for f in init)
-    entry = _WireType(cls, key, tuple(f.name for f in init), positional)
+    names = tuple(f.name for f in init)
+    entry = _WireType(cls, key, names, positional, _field_getter(names))
     _TYPES_BY_CLASS[cls] = entry
     _TYPES_BY_NAME[key] = entry
     return cls
+
+
+def _field_getter(names: tuple[str, ...]) -> Callable[[Any], Sequence[Any]]:
+    if not names:
+        return lambda _: ()
+    if len(names) == 1:  # attrgetter of one name returns the value, not a 1-tuple
+        get = operator.attrgetter(names[0])
+        return lambda value: (get(value),)
+    return operator.attrgetter(*names)
 
 
 def registered_wire_types() -> dict[str, type[Any]]:
@@ -300,6 +312,10 @@ _Ext = msgspec.msgpack.Ext
 # build has the dtype, so two builds that both have one agree on its code.
 _CODE_OF: dict[str, int] = {name: i for i, name in enumerate(_NUMPY_NATIVE + _VIA_INTEGER)}
 _BY_CODE: dict[int, _DType] = {_CODE_OF[name]: info for name, info in _DTYPES.items()}
+_CODE_OF_DTYPE: dict[torch.dtype, int] = {info.dtype: code for code, info in _BY_CODE.items()}
+# Only these carry a lazy conjugate bit; asking any other tensor costs a torch call per tensor.
+_COMPLEX = frozenset(d for d in _DTYPE_NAME if d.is_complex)
+_STRIDED = torch.strided
 # (frame index, dtype code, ndim) then ndim int64 dims; inline tensors drop the frame index.
 _FRAME_HEAD = struct.Struct("<iBB")
 _DIMS: dict[int, struct.Struct] = {}
@@ -367,6 +383,25 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryvie
 
 
 def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpack.Ext:
+    dtype = tensor.dtype
+    code = _CODE_OF_DTYPE.get(dtype)
+    if (
+        code is not None
+        and tensor.layout is _STRIDED
+        and tensor.is_cpu
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+        and not tensor.is_neg()
+        and (dtype not in _COMPLEX or not tensor.is_conj())
+    ):
+        # The decode-step case, a small plain tensor, in as few torch calls as it takes: each
+        # costs a tenth of a microsecond or more, and a step carries several such tensors.
+        nbytes = tensor.nbytes
+        if nbytes < INLINE_TENSOR_BYTES:
+            shape = tensor.shape
+            ndim = len(shape)
+            head = (_INLINE_HEADS.get(ndim) or _inline_head(ndim)).pack(code, ndim, *shape)
+            return _Ext(_EXT_INLINE, head + ctypes.string_at(tensor.data_ptr(), nbytes))
     name, t = _plain(tensor)
     shape = t.shape
     ndim = len(shape)
@@ -389,7 +424,7 @@ def _encode_tensor(tensor: torch.Tensor, buffers: list[Buffer]) -> msgspec.msgpa
 
 
 def _encode_list(value: list[Any], buffers: list[Buffer]) -> Any:
-    return [_to_wire(item, buffers) for item in value]
+    return [item if type(item) in _SCALARS else _to_wire(item, buffers) for item in value]
 
 
 def _encode_dict(value: dict[Any, Any], buffers: list[Buffer]) -> Any:
@@ -400,7 +435,7 @@ def _encode_dict(value: dict[Any, Any], buffers: list[Buffer]) -> Any:
                 f"cannot send a dict with a key of type {type(key).__qualname__} "
                 f"({key!r}); dict keys must be str"
             )
-        out[key] = _to_wire(item, buffers)
+        out[key] = item if type(item) in _SCALARS else _to_wire(item, buffers)
     return out
 
 
@@ -465,7 +500,10 @@ def _to_wire(value: Any, buffers: list[Buffer]) -> Any:
         return encode(value, buffers)
     wire_type = _TYPES_BY_CLASS.get(tp)
     if wire_type is not None:
-        fields = [_to_wire(getattr(value, f), buffers) for f in wire_type.fields]
+        fields = [
+            item if type(item) in _SCALARS else _to_wire(item, buffers)
+            for item in wire_type.values(value)
+        ]
         return _Ext(_EXT_DATACLASS, _encode([wire_type.name, fields]))
     if isinstance(value, torch.Tensor):  # a subclass, e.g. nn.Parameter
         return _encode_tensor(value, buffers)
@@ -523,24 +561,25 @@ def _decode_frame_tensor(data: memoryview) -> torch.Tensor:
 
 
 def _decode_inline_tensor(data: memoryview) -> torch.Tensor:
-    head = _inline_head(data[1])
-    code, ndim, *dims = head.unpack_from(data)
-    shape = tuple(dims)
-    info = _dtype_of(code)
+    ndim = data[1]
+    head = _INLINE_HEADS.get(ndim) or _inline_head(ndim)
+    code, _, *dims = head.unpack_from(data)
+    info = _BY_CODE.get(code) or _dtype_of(code)
     nbytes = len(data) - head.size
-    if nbytes != math.prod(shape) * info.itemsize:
+    numel = dims[0] if ndim == 1 else math.prod(dims)
+    if nbytes != numel * info.itemsize:
         raise TransportError(
-            f"inline tensor holds {nbytes} bytes, but {info.dtype} {shape} needs "
-            f"{math.prod(shape) * info.itemsize}"
+            f"inline tensor holds {nbytes} bytes, but {info.dtype} {tuple(dims)} needs "
+            f"{numel * info.itemsize}"
         )
     if nbytes == 0:
-        return torch.empty(shape, dtype=info.dtype)
+        return torch.empty(dims, dtype=info.dtype)
     # A private copy (the header's memory is read-only and shared): a bytearray is malloc'd, so
     # aligned for any element size.
     own = bytearray(data[head.size :])
     if ndim == 1:  # the common case (token ids, positions): one call
         return torch.frombuffer(own, dtype=info.dtype)
-    t = torch.from_numpy(np.ndarray(shape, info.numpy, own))
+    t = torch.from_numpy(np.ndarray(dims, info.numpy, own))
     return t if info.view is info.dtype else t.view(info.dtype)
 
 
@@ -556,39 +595,43 @@ def _decode_shm_tensor(data: memoryview) -> torch.Tensor:
     return t if info.view is info.dtype else t.view(info.dtype)
 
 
+def _decode_dataclass(data: memoryview) -> Any:
+    name, values = _value_decoder.decode(data)
+    wire_type = _TYPES_BY_NAME.get(name)
+    if wire_type is None:
+        raise TransportError(
+            f"message carries a {name!r}, which is not registered here; call "
+            "mstar_async.transport.register_wire_type(cls) in this process too"
+        )
+    if len(values) != len(wire_type.fields):
+        raise TransportError(
+            f"message carries {len(values)} fields for {name!r}, which has "
+            f"{len(wire_type.fields)}; both sides must run the same code"
+        )
+    if wire_type.positional:  # a third faster than building keyword arguments
+        return wire_type.cls(*values)
+    return wire_type.cls(**dict(zip(wire_type.fields, values, strict=True)))
+
+
+_EXT_DECODERS: dict[int, Callable[[memoryview], Any]] = {
+    _EXT_INLINE: _decode_inline_tensor,
+    _EXT_TENSOR: _decode_frame_tensor,
+    _EXT_SHM: _decode_shm_tensor,
+    _EXT_DATACLASS: _decode_dataclass,
+    _EXT_TUPLE: lambda data: tuple(_value_decoder.decode(data)),
+    _EXT_SET: lambda data: set(_value_decoder.decode(data)),
+    _EXT_FROZENSET: lambda data: frozenset(_value_decoder.decode(data)),
+}
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
-    if code == _EXT_INLINE:
-        return _decode_inline_tensor(data)
-    if code == _EXT_TENSOR:
-        return _decode_frame_tensor(data)
-    if code == _EXT_SHM:
-        return _decode_shm_tensor(data)
-    if code == _EXT_DATACLASS:
-        name, values = _value_decoder.decode(data)
-        wire_type = _TYPES_BY_NAME.get(name)
-        if wire_type is None:
-            raise TransportError(
-                f"message carries a {name!r}, which is not registered here; call "
-                "mstar_async.transport.register_wire_type(cls) in this process too"
-            )
-        if len(values) != len(wire_type.fields):
-            raise TransportError(
-                f"message carries {len(values)} fields for {name!r}, which has "
-                f"{len(wire_type.fields)}; both sides must run the same code"
-            )
-        if wire_type.positional:  # a third faster than building keyword arguments
-            return wire_type.cls(*values)
-        return wire_type.cls(**dict(zip(wire_type.fields, values, strict=True)))
-    if code == _EXT_TUPLE:
-        return tuple(_value_decoder.decode(data))
-    if code == _EXT_SET:
-        return set(_value_decoder.decode(data))
-    if code == _EXT_FROZENSET:
-        return frozenset(_value_decoder.decode(data))
-    raise TransportError(f"unknown msgpack ext code {code} in a message")
+    decode = _EXT_DECODERS.get(code)
+    if decode is None:
+        raise TransportError(f"unknown msgpack ext code {code} in a message")
+    return decode(data)
 
 
-_value_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+_value_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
 def decode_wire(decode: Callable[[Buffer], T], header: Buffer, buffers: Sequence[Buffer]) -> T:

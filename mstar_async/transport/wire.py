@@ -245,6 +245,7 @@ _MESSAGE_TYPES = (
     FetchTensor,
     TensorReply,
 )
+_EXACT_TYPES = frozenset(_MESSAGE_TYPES)  # a set lookup is cheaper than isinstance over ten
 register_wire_type(TensorRef, name="mstar.TensorRef")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message, ext_hook=ext_hook())
@@ -262,13 +263,14 @@ def encode_message(msg: Message, *, shm_batch: ShmBatch | None = None) -> list[B
         TransportError: ``msg`` is not a message, a value in it cannot travel (the message
             names the type and how to register it), or a segment cannot be made.
     """
-    if not isinstance(msg, _MESSAGE_TYPES):
+    if type(msg) not in _EXACT_TYPES and not isinstance(msg, _MESSAGE_TYPES):
         raise TransportError(f"encode_message: not a message: {type(msg).__qualname__}")
     buffers: list[Buffer] = []
-    names = msg.__wire_values__
-    if names:
-        wire = {name: to_wire(getattr(msg, name), buffers, shm_batch) for name in names}
-        msg = msgspec.structs.replace(msg, **wire)
+    for name in msg.__wire_values__:
+        value = getattr(msg, name)
+        if value is not None:  # None encodes as itself
+            wire = to_wire(value, buffers, shm_batch)
+            msg = msgspec.structs.replace(msg, **{name: wire})
     try:
         header = _encoder.encode(msg)
     except (OverflowError, TypeError, msgspec.EncodeError) as exc:

@@ -110,7 +110,13 @@ class _Socket:
         try:
             if self._closed:
                 raise TransportError(f"send on a closed socket ({self._endpoint})")
-            future = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
+            # One frame (a small message from a Link) skips send_multipart's per-frame loop.
+            sent = (
+                self._sock.send(parts[0], copy=False)
+                if len(parts) == 1
+                else self._sock.send_multipart(parts, copy=False)
+            )
+            future = cast("asyncio.Future[object]", sent)
             # pyzmq sends at once when the queue has room and returns a finished future; only a
             # full queue (hwm > 0) makes us wait.
             if not future.done():
@@ -136,9 +142,11 @@ class _Socket:
             raise TransportError(
                 f"concurrent recv on {self._endpoint}: use one reader task per socket"
             )
-        # Cancel safety: the receive future outlives a cancelled caller (shield), and the next
-        # call awaits the same one, so a message that arrives just as its reader is cancelled
-        # goes to the next reader instead of being lost.
+        # Cancel safety: the receive future is kept until its message is taken, so a message
+        # that arrives just as its reader is cancelled goes to the next reader instead of being
+        # lost. A cancel that lands before the message arrived cancels pyzmq's future, and
+        # pyzmq then leaves the message in the socket. Awaiting the future directly (no
+        # asyncio.shield) saves an event loop hop per message.
         future = self._pending
         if future is None:
             future = cast("asyncio.Future[list[zmq.Frame]]", self._sock.recv_multipart(copy=False))
@@ -146,14 +154,19 @@ class _Socket:
         if not future.done():
             self._receiving = True
             try:
-                await asyncio.shield(future)
+                await future
             except asyncio.CancelledError:
+                if not future.cancelled():
+                    raise  # the message arrived: it stays pending for the next reader
+                self._pending = None
                 task = asyncio.current_task()
-                if self._closed and future.cancelled() and task and not task.cancelling():
+                if self._closed and task and not task.cancelling():
                     raise TransportError(
                         f"socket closed while receiving ({self._endpoint})"
                     ) from None
                 raise
+            except zmq.ZMQError:
+                pass  # raised below as a TransportError
             finally:
                 self._receiving = False
         self._pending = None

@@ -164,17 +164,35 @@ async def test_a_message_arriving_as_its_reader_is_cancelled_is_not_lost(hub: Zm
         server = hub.bind()
         link = hub.connect(server.endpoint, identity=b"w")
         await link.send(Ping(0))
-        identity, _ = await server.recv()
+        await server.recv()
         reader = asyncio.ensure_future(link.recv())
         await asyncio.sleep(0.01)  # the reader now waits on the socket
         pending = link._pending
         assert pending is not None and not pending.done()
-        # Cancel the reader in the very callback round that delivers its message.
-        pending.add_done_callback(lambda _: reader.cancel())
-        await server.send(identity, Pong(5))
+        # The message lands and the reader is cancelled before it resumes: the reader sees
+        # the cancel, the message waits for the next one.
+        pending.set_result([zmq.Frame(bytes(f)) for f in encode_message(Pong(5))])
+        reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
         assert await link.recv() == Pong(5)
+
+
+async def test_a_reader_cancelled_before_its_message_leaves_it_in_the_socket(
+    hub: ZmqHub,
+) -> None:
+    with anyio.fail_after(10):
+        server = hub.bind()
+        link = hub.connect(server.endpoint, identity=b"w")
+        await link.send(Ping(0))
+        identity, _ = await server.recv()
+        reader = asyncio.ensure_future(link.recv())
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await server.send(identity, Pong(6))
+        assert await link.recv() == Pong(6)
 
 
 async def test_one_reader_at_a_time(hub: ZmqHub) -> None:
