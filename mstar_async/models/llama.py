@@ -35,7 +35,9 @@ __all__ = [
     "DecoderConfig",
     "PagedAttention",
     "PagedDecoder",
+    "RMSNorm",
     "RopeConfig",
+    "rotate",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -356,7 +358,9 @@ class _Embedding(nn.Embedding):
         pass
 
 
-class _RMSNorm(nn.Module):
+class RMSNorm(nn.Module):
+    """RMSNorm with statistics in float32 and the gain applied after casting back."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -369,7 +373,9 @@ class _RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[tokens, heads, head_dim]``. Never raises on shapes that
+    broadcast."""
     # Rotate-half convention: dimension i pairs with i + head_dim/2. ``cos``/``sin`` are
     # [num_tokens, 1, head_dim/2] and broadcast over heads.
     half = x.shape[-1] // 2
@@ -402,7 +408,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        out = attention(layer, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        out = attention(layer, rotate(q, cos, sin), rotate(k, cos, sin), v)
         want = (n, self.num_heads, self.head_dim)
         if tuple(out.shape) != want:
             raise EngineError(f"attention returned shape {tuple(out.shape)}, expected {want}")
@@ -426,9 +432,9 @@ class _DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, index: int) -> None:
         super().__init__()
         self.index = index
-        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
-        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
         self._qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         self._intermediate = cfg.intermediate_size
@@ -454,7 +460,7 @@ class _DecoderLayer(nn.Module):
         n, d = x.shape[0], attn.head_dim
         qkv = F.linear(self.input_layernorm(x), self._qkv_weight, self._qkv_bias)
         split = self._qk_heads * d
-        qk = _rotate(qkv[:, :split].view(n, self._qk_heads, d), cos, sin)
+        qk = rotate(qkv[:, :split].view(n, self._qk_heads, d), cos, sin)
         q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]
         out = attention(self.index, q, k, qkv[:, split:].view(n, attn.num_kv_heads, d))
         if out.shape != q.shape:
@@ -492,7 +498,7 @@ class _Model(nn.Module):
         super().__init__()
         self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(_DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 # ---------------------------------------------------------------------------------- decoder

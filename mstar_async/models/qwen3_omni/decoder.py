@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_async.engines.kv import AttentionSpec
-from mstar_async.models.llama import PagedAttention, RopeConfig
+from mstar_async.models.llama import PagedAttention, RMSNorm, RopeConfig, rotate
 
 __all__ = ["DenseCausalAttention", "Qwen3Config", "Qwen3Stack", "RMSNorm", "seeded_init"]
 
@@ -130,27 +130,6 @@ class Qwen3Config:
                 config.get("shared_expert_intermediate_size", 0) or 0
             ),
         )
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with statistics in float32 and the gain applied after casting back (upstream)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        out: torch.Tensor = self.weight * normed.to(x.dtype)
-        return out
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention; ``cos``/``sin`` ``[n, 1, head_dim/2]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class _Attention(nn.Module):
