@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mstar_async.engines.base import WAIT, Step, StepResult
 from mstar_async.engines.kv import AttentionSpec, PagedKVAllocator, PagedKVCache
+from mstar_async.engines.kv.preemption import preempt_if_stuck
 from mstar_async.errors import EngineError, KVCacheFull
 
 
@@ -253,7 +254,15 @@ class BlockCausalKVEngine:
             else:
                 results[i] = self._wait_or_fail(step)
         if not admitted:
-            self._preempt_if_stuck(steps, results)
+            ids = [s.request_id for s in steps]
+            preempt_if_stuck(
+                self.allocator,
+                ids,
+                ids,
+                results,
+                unit="frames",
+                remedy="build the model with a larger kv_frames or lower the concurrency",
+            )
         return admitted, results
 
     def _wait_or_fail(self, step: Step) -> StepResult:
@@ -267,19 +276,6 @@ class BlockCausalKVEngine:
             f"request {step.request_id} needs KV for {frames} frames but the cache holds "
             f"{capacity}; build the model with a larger kv_frames or ask for a shorter horizon"
         )
-
-    def _preempt_if_stuck(self, steps: Sequence[Step], results: list[StepResult]) -> None:
-        # Every request holding frames is here waiting for more: nobody will free any, so the
-        # newest waiting request gives way.
-        holders = {s for s in self.allocator.seq_ids() if self.allocator.num_tokens(s) > 0}
-        waiting = [i for i, r in enumerate(results) if r is WAIT]
-        if waiting and holders <= {s.request_id for s in steps}:
-            victim = waiting[-1]
-            results[victim] = KVCacheFull(
-                f"request {steps[victim].request_id} was preempted: the KV cache "
-                f"({self.allocator.num_blocks} frames) is exhausted by requests that all need "
-                "more; build the model with a larger kv_frames or lower the concurrency"
-            )
 
     def _run(
         self, steps: Sequence[Step], chunks: list[int], admitted: list[int]

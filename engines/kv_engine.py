@@ -28,6 +28,7 @@ from mstar_async.engines.kv import (
     select_attention_backend,
 )
 from mstar_async.engines.kv.cache import paged_storage
+from mstar_async.engines.kv.preemption import preempt_if_stuck
 from mstar_async.engines.kv.queries import QueryModel, run_queries
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError, KVCacheFull
@@ -414,7 +415,14 @@ class KVCacheEngine:
             else:
                 results[i] = self._wait_or_fail(step)
         if not admitted:
-            self._preempt_if_stuck(steps, results)
+            preempt_if_stuck(
+                self.allocator,
+                [_key(s) for s in steps],
+                [s.request_id for s in steps],
+                results,
+                unit="blocks",
+                remedy="give the engine a larger kv_cache_bytes or lower the concurrency",
+            )
         return admitted, results
 
     def _wait_or_fail(self, step: Step) -> StepResult:
@@ -427,19 +435,6 @@ class KVCacheEngine:
             f"request {step.request_id} needs KV for {total} tokens but the whole cache holds "
             f"{capacity}; give the engine a larger kv_cache_bytes or send a shorter prompt"
         )
-
-    def _preempt_if_stuck(self, steps: Sequence[Step], results: list[StepResult]) -> None:
-        # Every request holding KV memory is here waiting for more: nobody will free any, so
-        # the newest waiting request gives way.
-        holders = {s for s in self.allocator.seq_ids() if self.allocator.num_tokens(s) > 0}
-        waiting = [i for i, r in enumerate(results) if r is WAIT]
-        if waiting and holders <= {_key(s) for s in steps}:
-            victim = waiting[-1]
-            results[victim] = KVCacheFull(
-                f"request {steps[victim].request_id} was preempted: the KV cache "
-                f"({self.allocator.num_blocks} blocks) is exhausted by requests that all need "
-                "more; give the engine a larger kv_cache_bytes or lower the concurrency"
-            )
 
     def _run(
         self, steps: Sequence[Step], work: list[list[int]], admitted: list[int]
