@@ -14,6 +14,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.hosted import WalkHost
 from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.request import RequestContext
 from mstar_async.errors import MstarError, RequestCancelled, RequestError
@@ -108,10 +109,16 @@ class Conductor:
     """
 
     def __init__(
-        self, model: Model, executor: StepExecutor, *, output_buffer: int = OUTPUT_BUFFER
+        self,
+        model: Model,
+        executor: StepExecutor,
+        *,
+        output_buffer: int = OUTPUT_BUFFER,
+        walks: WalkHost | None = None,
     ) -> None:
         self.model = model
         self.executor = executor
+        self.walks = walks
         self.output_buffer = output_buffer
         self.active: dict[str, RequestStream] = {}
         self._task_group: TaskGroup | None = None
@@ -179,6 +186,7 @@ class Conductor:
                     # it later (its ``__anext__`` closes this end at the end of the stream).
                     stream._receiver.close()
                 if stream.context is not None:
+                    stream.context.cancel_walks()
                     stream.context.close_channels(keep=stream._receiver)
                 with anyio.CancelScope(shield=True):
                     await self.executor.release(stream.request_id)
@@ -197,7 +205,12 @@ class Conductor:
     ) -> None:
         async with anyio.create_task_group() as walks:
             context = RequestContext(
-                stream.request_id, self.model, self.executor, walks, metrics=stream.metrics
+                stream.request_id,
+                self.model,
+                self.executor,
+                walks,
+                metrics=stream.metrics,
+                walks=self.walks,
             )
             stream.context = context
             context.track(sender, stream._receiver)

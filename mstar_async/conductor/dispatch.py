@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import torch
 
+from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.placement import ReplicaRouter, ResolvedPlacement
 from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
+
+if TYPE_CHECKING:
+    from mstar_async.conductor.hosted import WalkControl, WalkInbox
 
 
 class RankExecutor(Protocol):
@@ -25,6 +30,20 @@ class RankExecutor(Protocol):
 
     async def fetch_from(self, rank: int, ref: TensorRef) -> torch.Tensor:
         """The tensor ``rank`` holds under ``ref``; cancel-safe."""
+        ...
+
+    def open_walk_on(
+        self,
+        rank: int,
+        request_id: str,
+        walk: str,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkInbox,
+    ) -> WalkControl:
+        """Run walk ``walk`` on ``rank``'s worker; outputs and end go to ``sink``. Never
+        raises."""
         ...
 
 
@@ -57,6 +76,49 @@ class PlacedExecutor:
         if len(ranks) == 1:
             return ranks[0]
         return self.router.route(call.request_id, call.engine, ranks).rank
+
+    def _walk_rank(self, request_id: str, plan: WalkPlan) -> int | None:
+        """The one rank every node of ``plan`` runs on for this request, if there is one and
+        the request's state for those engines is already there."""
+        walk, found = plan.walk.name, None
+        for node in plan.nodes.values():
+            ranks = self.placement.ranks_for(walk, node.name)
+            rank = (
+                ranks[0]
+                if len(ranks) == 1
+                else self.router.route(request_id, node.engine, ranks).rank
+            )
+            home = self._homes.get((request_id, node.engine))
+            if (found is not None and rank != found) or (home is not None and home != rank):
+                return None
+            found = rank
+        return found
+
+    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
+        """Whether the whole walk runs on one worker (then the worker drives its loops);
+        a walk that spans ranks is driven here, step by step. Raises ``PlacementError`` for
+        an unplaced walk or node."""
+        return self._walk_rank(request_id, plan) is not None
+
+    def open_walk(
+        self,
+        request_id: str,
+        plan: WalkPlan,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkInbox,
+    ) -> WalkControl:
+        """Start ``plan`` on the worker that holds all its nodes (see ``hosts``). Never
+        raises: errors reach ``sink``."""
+        rank = self._walk_rank(request_id, plan)
+        assert rank is not None, "open_walk on a walk this executor does not host"
+        self._touched[request_id].add(rank)
+        for node in plan.nodes.values():
+            self._homes[(request_id, node.engine)] = rank
+        return self.ranks.open_walk_on(
+            rank, request_id, plan.walk.name, inputs, params, persisted, sink
+        )
 
     async def submit(self, call: StepCall) -> dict[str, Any]:
         """Run ``call`` on its rank. Cancel-safe (see the rank executor).

@@ -10,6 +10,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.hosted import HostedWalkStream, WalkHost
 from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.walk_runner import WalkEvent, WalkRunner
 from mstar_async.errors import WalkInputError
@@ -40,10 +41,14 @@ class RequestContext:
         task_group: TaskGroup,
         *,
         metrics: RequestMetrics | None = None,
+        walks: WalkHost | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.executor = executor
+        self.walks = walks
+        #: Walks started on a ``WalkHost`` (cancelled when the request ends, however it ends).
+        self.hosted: list[HostedWalkStream] = []
         self.metrics = metrics if metrics is not None else RequestMetrics(request_id)
         self.persisted: dict[PortRef, Any] = {}
         self._task_group = task_group
@@ -78,7 +83,7 @@ class RequestContext:
 
     def stream(
         self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any
-    ) -> WalkStream:
+    ) -> WalkStream | HostedWalkStream:
         """Start walk ``walk`` and iterate its outputs as they are made.
 
         ``inputs`` feed the walk's free input ports, by ``port`` (every free port of that name)
@@ -90,7 +95,15 @@ class RequestContext:
             WalkInputError: an input names no free input port of the walk.
         """
         plan = self.model.plan(walk)
-        return WalkStream(self, plan, _bind_inputs(plan, inputs), dict(params or {}))
+        bound, bound_params = _bind_inputs(plan, inputs), dict(params or {})
+        if self.walks is not None and self.walks.hosts(self.request_id, plan):
+            return HostedWalkStream(self, self.walks, plan, bound, bound_params)
+        return WalkStream(self, plan, bound, bound_params)
+
+    def cancel_walks(self) -> None:
+        """Stop every hosted walk of this request that still runs (no wait); idempotent."""
+        for walk in self.hosted:
+            walk.cancel()
 
     async def run(
         self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any

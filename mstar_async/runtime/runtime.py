@@ -15,7 +15,7 @@ from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
 from mstar_async.runtime.session import SpeechSession
-from mstar_async.worker import BatchingLoop
+from mstar_async.worker.walk_loop import WalkLoop
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
 
@@ -34,7 +34,7 @@ class Runtime:
         model: Model,
         conductor: Conductor,
         *,
-        batching: BatchingLoop | None = None,
+        batching: WalkLoop | None = None,
         pool: WorkerPool | None = None,
     ) -> None:
         self.model = model
@@ -43,7 +43,7 @@ class Runtime:
         self.pool = pool
 
     @property
-    def batching(self) -> BatchingLoop:
+    def batching(self) -> WalkLoop:
         """The in-process batching loop.
 
         Raises:
@@ -112,7 +112,7 @@ async def open_runtime(
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.
     ``max_batch_size`` and ``max_batch_tokens`` bound one forward of an engine (see
-    ``BatchingLoop``).
+    ``WalkLoop``).
 
     Raises:
         PlacementError: the placement does not fit the model.
@@ -142,14 +142,12 @@ async def _in_process(
     engines = {}
     for name, factory in model.components.items():
         engines[name] = await anyio.to_thread.run_sync(factory)
-    batching = BatchingLoop(
-        engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens
-    )
+    batching = WalkLoop(engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
     log.info("runtime.open", model=model.name, engines=sorted(engines))
     async with anyio.create_task_group() as tg:
         await tg.start(batching.run)
         try:
-            async with Conductor(model, batching) as conductor:
+            async with Conductor(model, batching, walks=batching) as conductor:
                 yield Runtime(model, conductor, batching=batching)
         finally:
             tg.cancel_scope.cancel()
@@ -171,6 +169,7 @@ async def _with_workers(
     async with WorkerPool(
         model.source, engines_on, max_batch_tokens=max_batch_tokens, launcher=launcher
     ) as pool:
-        async with Conductor(model, PlacedExecutor(resolved, pool)) as conductor:
+        executor = PlacedExecutor(resolved, pool)
+        async with Conductor(model, executor, walks=executor) as conductor:
             yield Runtime(model, conductor, pool=pool)
     log.info("runtime.close", model=model.name)

@@ -177,6 +177,43 @@ class StepReply(_Msg, frozen=True, tag="reply"):
         return self.outputs
 
 
+class StartWalk(_Msg, frozen=True, tag="walk"):
+    """Run walk ``walk`` of request ``request_id`` here, loops and all: every node of it is
+    on this worker. ``inputs`` and ``persisted`` are keyed ``"node.port"``; ``window`` is how
+    many outputs may be in flight before the walk waits for :class:`WalkCredit`."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("inputs", "params", "persisted")
+
+    id: int
+    request_id: str
+    walk: str
+    inputs: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    persisted: dict[str, Any] = {}
+    window: int = 16
+
+
+class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
+    """For walks running on one worker: walk id -> outputs the conductor has read since the
+    last credit, and the ids of walks to stop."""
+
+    credits: dict[int, int] = {}
+    cancel: list[int] = []
+
+
+class WalkUpdates(_Msg, frozen=True, tag="walked"):
+    """What the walks on one worker made since its last such message (one per round):
+    ``events`` as ``[walk id, port, value, iteration]``, ``ended`` as ``[walk id, persisted]``
+    (values left for later walks, keyed ``"node.port"``), and walk id -> the error that ended
+    it."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended")
+
+    events: list[Any] = []
+    ended: list[Any] = []
+    errors: dict[int, ErrorInfo] = {}
+
+
 class Release(_Msg, frozen=True, tag="release", gc=False):
     """Forget everything held for request ``request_id`` (KV blocks, partial state)."""
 
@@ -224,6 +261,9 @@ Message = (
     | Peers
     | StepRequest
     | StepReply
+    | StartWalk
+    | WalkCredit
+    | WalkUpdates
     | Release
     | Shutdown
     | Ping
@@ -238,6 +278,9 @@ _MESSAGE_TYPES = (
     Peers,
     StepRequest,
     StepReply,
+    StartWalk,
+    WalkCredit,
+    WalkUpdates,
     Release,
     Shutdown,
     Ping,

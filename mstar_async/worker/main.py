@@ -28,13 +28,16 @@ from mstar_async.transport import (
     Pong,
     Release,
     Shutdown,
+    StartWalk,
     StepRequest,
+    WalkCredit,
     ZmqHub,
 )
-from mstar_async.worker.batching import BatchingLoop
 from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
 from mstar_async.worker.tensor_links import WorkerTensors, bind_peer_endpoint
 from mstar_async.worker.tensor_store import TensorStore
+from mstar_async.worker.walk_loop import WalkLoop
+from mstar_async.worker.walk_service import WalkService
 from mstar_async.worker.wire_types import register_wire_types
 
 CONFIG_VARIABLE = "MSTAR_WORKER_CONFIG"
@@ -90,32 +93,39 @@ async def serve(config: WorkerConfig) -> None:
     register_wire_types()
     model = ModelSource(**config.source).build()
     engines = {name: model.components[name]() for name in config.engines}
-    batching = BatchingLoop(engines, max_batch_tokens=config.max_batch_tokens)
+    batching = WalkLoop(engines, max_batch_tokens=config.max_batch_tokens)
     with ZmqHub() as hub:
         link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
         peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint)
         tensors = WorkerTensors(hub, TensorStore(config.rank, config.generation))
+        walks = WalkService(model, batching, link, tensors)
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)
+            tg.start_soon(walks.send_updates)
             if config.parent_pid > 0:
                 tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
             tg.start_soon(tensors.serve, peer_server)
             hello = Hello(config.rank, os.getpid(), config.endpoint, sorted(engines), peer_endpoint)
             await link.send(hello)
             log.info("worker.ready", rank=config.rank, engines=sorted(engines))
-            await _serve_messages(link, batching, tensors, tg)
+            await _serve_messages(link, batching, tensors, walks, tg)
             tg.cancel_scope.cancel()
 
 
 async def _serve_messages(
-    link: Link, batching: BatchingLoop, tensors: WorkerTensors, tg: Any
+    link: Link, batching: WalkLoop, tensors: WorkerTensors, walks: WalkService, tg: Any
 ) -> None:
     while True:
         message = await link.recv()
-        if isinstance(message, StepRequest):
+        if isinstance(message, WalkCredit):
+            walks.credit(message)
+        elif isinstance(message, StartWalk):
+            tg.start_soon(walks.start, message)
+        elif isinstance(message, StepRequest):
             tg.start_soon(_run_step, link, batching, tensors, message)
         elif isinstance(message, Release):
             tensors.store.release(message.request_id)
+            walks.cancel_request(message.request_id)
             tg.start_soon(batching.release, message.request_id)
         elif isinstance(message, FetchTensor):
             await link.send(tensors.answer(message))
@@ -128,7 +138,7 @@ async def _serve_messages(
 
 
 async def _run_step(
-    link: Link, batching: BatchingLoop, tensors: WorkerTensors, request: StepRequest
+    link: Link, batching: WalkLoop, tensors: WorkerTensors, request: StepRequest
 ) -> None:
     await link.send(await tensors.run_step(batching.submit, request))
 

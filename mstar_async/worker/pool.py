@@ -11,6 +11,7 @@ takes the rank.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +24,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from mstar_async.errors import WorkerLost
-from mstar_async.graph import ModelSource
+from mstar_async.graph import ModelSource, PortRef
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     FetchTensor,
@@ -37,15 +38,19 @@ from mstar_async.transport import (
     Shutdown,
     StepCall,
     StepReply,
+    StartWalk,
     StepRequest,
     TensorRef,
     TensorReply,
     TransportError,
+    WalkCredit,
+    WalkUpdates,
     ZmqHub,
     decode_message,
 )
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
+from mstar_async.worker.walk_run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
@@ -130,6 +135,11 @@ class WorkerPool:
         self._endpoint = ""
         self._tg: TaskGroup | None = None
         self._closing = False
+        self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
+        self._starts: list[tuple[int, StartWalk]] = []
+        self._credits: dict[int, dict[int, int]] = {}
+        self._cancels: dict[int, list[int]] = {}
+        self._send_wake = asyncio.Event()
         self.bytes_received = 0
         """Bytes of every message workers sent this process (headers and tensor frames): what
         crossed into the conductor. Tensors kept on workers (handles) do not count here."""
@@ -157,6 +167,7 @@ class WorkerPool:
                 port = self._server.endpoint.rsplit(":", 1)[1]
                 self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
+            self._tg.start_soon(self._send_walk_traffic)
             for state in self.ranks.values():
                 await self._start(state)
             with anyio.fail_after(self.ready_timeout):
@@ -232,6 +243,10 @@ class WorkerPool:
             waiter.error = lost
             waiter.done.set()
         state.in_flight.clear()
+        for walk_id, (rank, sink) in list(self._walks.items()):
+            if rank == state.rank:
+                del self._walks[walk_id]
+                sink.end({}, lost)
         state.restarts += 1
         try:
             await self._start(state)
@@ -286,12 +301,104 @@ class WorkerPool:
                     hello.ready.set()
                 continue
             sender = by_identity.get(peer)
+            if sender is not None and isinstance(message, WalkUpdates):
+                self._walk_updates(message)
+                continue
             if sender is None or not isinstance(message, StepReply | TensorReply | Pong):
                 continue
             waiter = sender.in_flight.pop(message.id, None)
             if waiter is None:
                 continue  # its submitter was cancelled
             self._answer(waiter, message)
+
+    def _walk_updates(self, message: WalkUpdates) -> None:
+        walks = self._walks
+        for walk_id, port, value, iteration in message.events:
+            entry = walks.get(walk_id)
+            if entry is not None:
+                entry[1].emit(port, value, iteration)
+        for walk_id, persisted in message.ended:
+            entry = walks.pop(walk_id, None)
+            if entry is not None:
+                left = {PortRef.parse(k, role="walk output"): v for k, v in persisted.items()}
+                entry[1].end(left, None)
+        for walk_id, error in message.errors.items():
+            entry = walks.pop(walk_id, None)
+            if entry is not None:
+                entry[1].end({}, error.to_exception())
+
+    # ------------------------------------------------------------------ hosted walks
+
+    def open_walk_on(
+        self,
+        rank: int,
+        request_id: str,
+        walk: str,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkSink,
+        *,
+        window: int = OUTPUT_WINDOW,
+    ) -> RemoteWalk:
+        """Start walk ``walk`` of ``request_id`` on ``rank``'s worker (every node of it is
+        there); its outputs and end reach ``sink``. Never raises: a lost worker ends the walk
+        with ``WorkerLost``."""
+        state = self.ranks[rank]
+        walk_id = next(self._ids)
+        if state.worker is None or state.worker.returncode is not None:
+            why = f": {state.down}" if state.down else ""
+            sink.end({}, WorkerLost(f"worker rank {rank} is down{why}"))
+            return RemoteWalk(self, rank, walk_id)
+        self._walks[walk_id] = (rank, sink)
+        message = StartWalk(
+            walk_id,
+            request_id,
+            walk,
+            {str(k): v for k, v in inputs.items()},
+            dict(params),
+            {str(k): v for k, v in persisted.items()},
+            window,
+        )
+        self._starts.append((rank, message))
+        self._send_wake.set()
+        return RemoteWalk(self, rank, walk_id)
+
+    def _walk_credit(self, rank: int, walk_id: int, count: int) -> None:
+        credits = self._credits.setdefault(rank, {})
+        credits[walk_id] = credits.get(walk_id, 0) + count
+        self._send_wake.set()
+
+    def _walk_cancel(self, rank: int, walk_id: int) -> None:
+        if walk_id in self._walks:
+            self._cancels.setdefault(rank, []).append(walk_id)
+            self._send_wake.set()
+
+    async def _send_walk_traffic(self) -> None:
+        # One task sends walk starts, credit and cancels, so each rank gets at most one
+        # credit message per turn of the event loop however many walks read outputs.
+        while True:
+            await self._send_wake.wait()
+            self._send_wake.clear()
+            starts, self._starts = self._starts, []
+            for rank, start in starts:
+                await self._send_walk_message(rank, start)
+            credits, self._credits = self._credits, {}
+            cancels, self._cancels = self._cancels, {}
+            for rank in sorted(set(credits) | set(cancels)):
+                message = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
+                await self._send_walk_message(rank, message)
+
+    async def _send_walk_message(self, rank: int, message: StartWalk | WalkCredit) -> None:
+        state = self.ranks[rank]
+        try:
+            assert self._server is not None
+            await self._server.send(state.identity, message)
+        except TransportError as exc:
+            if isinstance(message, StartWalk):
+                entry = self._walks.pop(message.id, None)
+                if entry is not None:
+                    entry[1].end({}, WorkerLost(f"worker rank {rank} is unreachable: {exc}"))
 
     @staticmethod
     def _answer(waiter: _Waiter, message: StepReply | TensorReply | Pong) -> None:
@@ -404,3 +511,22 @@ class WorkerPool:
     def restarts(self, rank: int) -> int:
         """How many times ``rank``'s worker was replaced after dying."""
         return self.ranks[rank].restarts
+
+
+class RemoteWalk:
+    """The conductor's handle on a walk running in a worker process (see ``open_walk_on``)."""
+
+    __slots__ = ("pool", "rank", "walk_id")
+
+    def __init__(self, pool: WorkerPool, rank: int, walk_id: int) -> None:
+        self.pool = pool
+        self.rank = rank
+        self.walk_id = walk_id
+
+    def ack(self, count: int) -> None:
+        """The reader took ``count`` outputs: credit goes back with the next message."""
+        self.pool._walk_credit(self.rank, self.walk_id, count)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop the walk; its end arrives in a later message."""
+        self.pool._walk_cancel(self.rank, self.walk_id)

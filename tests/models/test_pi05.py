@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any
 
 import anyio
@@ -129,11 +131,12 @@ async def test_prefix_is_freed_after_a_request_and_after_cancel() -> None:
 
         running = anyio.Event()
         forward = engine.forward
+        loop = asyncio.get_running_loop()  # forwards run on the loop's thread or beside it
 
         def watched(steps: Any) -> Any:
             results = forward(steps)
             if engine.served["velocity"] >= 13:  # the loop is running on a held prefix
-                anyio.from_thread.run_sync(running.set)
+                loop.call_soon_threadsafe(running.set)
             return results
 
         engine.forward = watched

@@ -1,0 +1,218 @@
+"""Walks that run where their nodes are: the conductor starts them and reads their outputs.
+
+A ``WalkHost`` (a worker's batching loop in this process, or a worker process reached over
+ZeroMQ) runs a whole walk, loops included, and sends its outputs back; the conductor only
+starts the walk, hands the outputs to the request's program, and returns credit as the program
+reads them. ``HostedWalkStream`` has the same interface as the conductor-driven ``WalkStream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from mstar_async.conductor.walk_runner import WalkEvent
+from mstar_async.graph import PortRef, WalkPlan
+
+if TYPE_CHECKING:
+    from mstar_async.conductor.request import RequestContext
+
+
+class WalkControl(Protocol):
+    """The conductor's handle on a walk running elsewhere."""
+
+    def ack(self, count: int) -> None:
+        """The program has read ``count`` more outputs (credit back to the walk)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the walk; its sink hears ``end`` (at once in process, soon across processes)."""
+        ...
+
+
+class WalkHost(Protocol):
+    """Runs whole walks where their nodes live."""
+
+    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
+        """Whether this host runs ``plan`` for ``request_id`` (else the conductor drives it)."""
+        ...
+
+    def open_walk(
+        self,
+        request_id: str,
+        plan: WalkPlan,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkInbox,
+    ) -> WalkControl:
+        """Start the walk; its outputs and end go to ``sink``. Never raises: errors reach
+        the sink."""
+        ...
+
+
+class WalkInbox:
+    """The outputs of one hosted walk, waiting for the program (a ``WalkSink``)."""
+
+    __slots__ = ("ended", "error", "events", "persisted", "_waiter")
+
+    def __init__(self) -> None:
+        self.events: deque[WalkEvent] = deque()
+        self.ended = False
+        self.error: BaseException | None = None
+        self.persisted: dict[PortRef, Any] = {}
+        self._waiter: asyncio.Future[None] | None = None
+
+    def emit(self, port: str, value: Any, iteration: int) -> None:
+        """One output of the walk, in order."""
+        self.events.append(WalkEvent(port, value, iteration))
+        self._wake()
+
+    def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
+        """The walk is over (idempotent: the first end counts)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.persisted = persisted
+        self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next(self) -> WalkEvent | None:
+        """The next output, or ``None`` once the walk has ended and every output was read.
+        Cancel-safe: an output is taken only when this returns it."""
+        while not self.events:
+            if self.ended:
+                return None
+            await self.wait()
+        return self.events.popleft()
+
+    async def wait(self) -> None:
+        """Wait until something arrives (an output or the end)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+
+class HostedWalkStream:
+    """The outputs of one walk running on a ``WalkHost``, as an async iterator of
+    ``WalkEvent``s; the same interface as ``WalkStream``.
+
+    The walk starts on ``async with`` (or the first ``__anext__``); ``aclose()`` stops it and
+    waits until it has ended. An error inside the walk is raised to the reader.
+    """
+
+    def __init__(
+        self,
+        request: RequestContext,
+        host: WalkHost,
+        plan: WalkPlan,
+        inputs: dict[PortRef, Any],
+        params: dict[str, Any],
+    ) -> None:
+        self._request = request
+        self._host = host
+        self._plan = plan
+        self._inputs = inputs
+        self._params = params
+        self._inbox = WalkInbox()
+        self._control: WalkControl | None = None
+        self._error_seen = False
+
+    @property
+    def ended(self) -> bool:
+        """Whether the walk has ended (or never started)."""
+        return self._control is None or self._inbox.ended
+
+    def _start(self) -> None:
+        if self._control is None:
+            persisted = self._request.persisted
+            needed = {
+                src: persisted[src]
+                for src in self._plan.persisted_in.values()
+                if src in persisted
+            }
+            self._request.hosted.append(self)
+            self._control = self._host.open_walk(
+                self._request.request_id,
+                self._plan,
+                self._inputs,
+                self._params,
+                needed,
+                self._inbox,
+            )
+
+    def cancel(self) -> None:
+        """Ask the walk to stop (no wait); idempotent."""
+        if self._control is not None and not self._inbox.ended:
+            self._control.cancel()
+
+    async def __aenter__(self) -> HostedWalkStream:
+        self._start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose(raise_error=exc is None)
+
+    def __aiter__(self) -> AsyncIterator[WalkEvent]:
+        return self
+
+    async def __anext__(self) -> WalkEvent:
+        """The next output of the walk.
+
+        Raises:
+            MstarError: the walk failed (a step's error, a missing input).
+        """
+        self._start()
+        event = await self._inbox.next()
+        if event is not None:
+            assert self._control is not None
+            self._control.ack(1)
+            return event
+        self._finish()
+        raise StopAsyncIteration
+
+    def _finish(self) -> None:
+        inbox = self._inbox
+        if inbox.error is None:
+            self._request.persisted.update(inbox.persisted)
+        elif not self._error_seen:
+            self._error_seen = True
+            raise inbox.error
+
+    async def aclose(self, *, raise_error: bool = True) -> None:
+        """Stop the walk if it still runs and wait until it has ended.
+
+        Safe to call more than once and from a cancelled task (the wait is shielded; it lasts
+        at most until the step in flight returns).
+
+        Raises:
+            MstarError: the walk had failed and nobody has seen its error yet.
+        """
+        if self._control is None:
+            return
+        self.cancel()
+        with anyio.CancelScope(shield=True):
+            while not self._inbox.ended:
+                await self._inbox.wait()
+        if raise_error:
+            self._finish()
+        else:
+            self._error_seen = True

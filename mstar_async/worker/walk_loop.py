@@ -1,0 +1,318 @@
+"""The continuous-batching loop of one worker: walk coroutines and engine forwards, in rounds.
+
+Each round: resume every walk coroutine that is ready (they run until they wait for a step, a
+chunk or credit), take the round's steps from the ``Scheduler`` (token budget, KV admission),
+run one forward per engine, and resume the coroutines with the outputs. Walk outputs go to their
+sinks as they are made; a sink delivers them in one message per round where it crosses a
+process. Requests join and leave between rounds.
+
+A forward runs on a dedicated thread, so the event loop stays free to serve sockets and
+programs while a model computes; a forward measured to take less than a thread hand-off
+(``inline_below_s``, ~100 µs on small VMs) runs on the loop's thread instead, since the hop
+would cost more than the work. Rounds whose forwards run inline run back to back for up to
+``slice_s`` before the loop lets other tasks run, so readers take several outputs per wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from mstar_async.engines import Engine, Step
+from mstar_async.errors import EngineError, MstarError
+from mstar_async.graph import PortRef, WalkPlan
+from mstar_async.transport import StepCall
+from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
+from mstar_async.worker.trampoline import StepRequest, Task, Trampoline
+from mstar_async.worker.walk_run import OUTPUT_WINDOW, WalkRun, WalkSink
+
+#: Forwards measured faster than this run on the event loop's thread (a hop costs about this).
+INLINE_BELOW_S = 100e-6
+#: How long back-to-back inline rounds may hold the event loop before others get a turn.
+SLICE_S = 0.002
+_EMA = 0.2  # weight of the newest forward time in the running estimate
+
+
+class ForwardThread:
+    """One thread that runs forwards, handing each result back with ``call_soon_threadsafe``
+    (about half the cost of a thread-pool hop on these machines)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            fn, loop, future = item
+            try:
+                fn()
+            except BaseException as exc:  # handed to the awaiting loop
+                loop.call_soon_threadsafe(_settle, future, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, None)
+
+    async def run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread and wait for it. Not cancel-safe on its own: a cancelled
+        wait leaves ``fn`` running; callers wait for it to finish before touching its state."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        await future
+
+    def close(self) -> None:
+        """Stop the thread once the forward it runs (if any) ends."""
+        self._jobs.put(None)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class WalkLoop:
+    """Runs walks and steps on one worker's engines in continuous batches.
+
+    Start ``run()`` in a task group; then, from the same event loop, ``start_walk`` runs a walk
+    here and ``submit`` runs a single step (for walks that span ranks). ``max_batch_size`` and
+    ``max_batch_tokens`` bound one forward of an engine (see ``Scheduler``).
+
+    Raises:
+        ValueError: a limit is below 1.
+    """
+
+    def __init__(
+        self,
+        engines: Mapping[str, Engine],
+        *,
+        max_batch_size: int = 256,
+        max_batch_tokens: int = 512,
+        inline_below_s: float = INLINE_BELOW_S,
+        slice_s: float = SLICE_S,
+    ) -> None:
+        self.scheduler = Scheduler(
+            engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens
+        )
+        #: The engines by name: the scheduler's own mapping, so a swapped-in engine is used.
+        self.engines = self.scheduler.engines
+        self.trampoline = Trampoline(self._submit_step)
+        self.inline_below_s = inline_below_s
+        self.slice_s = slice_s
+        self._wakeup: asyncio.Future[None] | None = None
+        self._in_round = False  # between take() and finish(): engines are not to be touched
+        self._round_done: asyncio.Event | None = None
+        self._estimates: dict[tuple[str, ...], float] = {}
+        self._thread: ForwardThread | None = None
+        self._runs: list[WalkRun] = []
+
+    @property
+    def walks_running(self) -> int:
+        """Walks started here that have not ended yet."""
+        self._runs = [run for run in self._runs if not run.ended]
+        return len(self._runs)
+
+    @property
+    def stats(self) -> BatchStats:
+        """Forwards, steps and batch sizes run so far."""
+        return self.scheduler.stats
+
+    # --- what the conductor (or a worker's message loop) calls -------------------------------
+
+    def start_walk(
+        self,
+        plan: WalkPlan,
+        request_id: str,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkSink,
+        *,
+        window: int = OUTPUT_WINDOW,
+    ) -> WalkRun:
+        """Start running walk ``plan`` for ``request_id`` here; its outputs and end go to
+        ``sink``. Returns the run (``cancel()``, ``ack(n)``; call ``kick()`` after either).
+        Never raises: errors reach the sink."""
+        run = WalkRun(
+            plan, request_id, inputs, params, persisted, self.trampoline, sink, window=window
+        )
+        run.start()
+        if len(self._runs) > 64 and self._runs[0].ended:
+            self._runs = [r for r in self._runs if not r.ended]
+        self._runs.append(run)
+        self.kick()
+        return run
+
+    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
+        """Whether every node of ``plan`` has its engine here (then the whole walk runs here)."""
+        return all(node.engine in self.engines for node in plan.nodes.values())
+
+    def open_walk(
+        self,
+        request_id: str,
+        plan: WalkPlan,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkSink,
+    ) -> LocalWalk:
+        """``start_walk`` for the conductor (see ``WalkHost``); never raises."""
+        return LocalWalk(self, self.start_walk(plan, request_id, inputs, params, persisted, sink))
+
+    def kick(self) -> None:
+        """Wake the loop: something it waits for may have changed (a walk, credit, a cancel)."""
+        waiter = self._wakeup
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def submit(self, call: StepCall) -> dict[str, Any]:
+        """Queue one step and wait for its outputs.
+
+        Cancel-safe: a cancelled submit's outputs are dropped; ``release`` of its request
+        removes the step if it is still queued.
+
+        Raises:
+            EngineError: the engine is unknown here, or the forward failed (its cause attached).
+        """
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.scheduler.submit(Job(call.engine, Step(call.request_id, call.op, call.inputs), future))
+        self.kick()
+        return await future
+
+    async def release(self, request_id: str) -> None:
+        """The request is over: wait for the round in flight, drop its queued steps, and tell
+        every engine to free what it holds for it. Shielded: a release always completes."""
+        with anyio.CancelScope(shield=True):
+            while self._in_round:
+                assert self._round_done is not None
+                await self._round_done.wait()
+            for job in self.scheduler.cancel(request_id):
+                self._resume(job, None)
+            self.scheduler.release(request_id)
+        self.kick()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve walks and steps until cancelled.
+
+        Cancel-safe: a forward in flight on the forward thread finishes there; the loop stops.
+        """
+        self._round_done = asyncio.Event()
+        self._thread = ForwardThread("mstar-forward")
+        task_status.started()
+        try:
+            await self._rounds()
+        finally:
+            self._thread.close()
+
+    async def _rounds(self) -> None:
+        assert self._round_done is not None
+        slice_start = time.perf_counter()
+        while True:
+            self.trampoline.run_ready()
+            if not self.scheduler.has_work:
+                await self._idle()
+                slice_start = time.perf_counter()
+                continue
+            if time.perf_counter() - slice_start > self.slice_s:
+                await asyncio.sleep(0)  # inline rounds have held the loop long enough
+                slice_start = time.perf_counter()
+                continue
+            batch = self.scheduler.take()
+            self._in_round = True
+            self._round_done.clear()
+            try:
+                if await self._forward(batch):
+                    slice_start = time.perf_counter()
+                finished = self.scheduler.finish(batch)
+            finally:
+                self._in_round = False
+                self._round_done.set()
+            for job, outcome in finished:
+                self._resume(job, outcome)
+
+    async def _idle(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._wakeup = waiter
+        try:
+            await waiter
+        finally:
+            self._wakeup = None
+
+    async def _forward(self, batch: Round) -> bool:
+        """Run the round's forwards; True when they ran on the forward thread."""
+        key = batch.engine_names
+        estimate = self._estimates.get(key)
+        start = time.perf_counter()
+        threaded = estimate is None or estimate >= self.inline_below_s
+        if threaded:
+            assert self._thread is not None
+            await self._thread.run(lambda: self.scheduler.forward(batch))
+        else:
+            self.scheduler.forward(batch)
+        took = time.perf_counter() - start
+        self._estimates[key] = took if estimate is None else estimate + _EMA * (took - estimate)
+        return threaded
+
+    def _submit_step(self, task: Task, request: StepRequest) -> None:
+        try:
+            self.scheduler.submit(
+                Job(request.engine, Step(request.request_id, request.op, request.inputs), task)
+            )
+        except MstarError as exc:
+            self.trampoline.wake(task, exc)
+
+    def _resume(self, job: Job, outcome: dict[str, Any] | BaseException | None) -> None:
+        if isinstance(outcome, BaseException):
+            outcome = _engine_error(job.engine, outcome)
+        owner = job.owner
+        if isinstance(owner, Task):
+            if outcome is None:
+                return  # the walk is being cancelled with its request
+            self.trampoline.wake(owner, outcome)
+        elif isinstance(owner, asyncio.Future) and not owner.done():
+            if outcome is None:
+                owner.cancel()
+            elif isinstance(outcome, BaseException):
+                owner.set_exception(outcome)
+            else:
+                owner.set_result(outcome)
+
+
+def _engine_error(name: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, MstarError) or not isinstance(exc, Exception):
+        return exc
+    error = EngineError(f"engine {name!r} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
+class LocalWalk:
+    """A walk running on a ``WalkLoop`` in this process, as the conductor controls it."""
+
+    __slots__ = ("loop", "run")
+
+    def __init__(self, loop: WalkLoop, run: WalkRun) -> None:
+        self.loop = loop
+        self.run = run
+
+    def ack(self, count: int) -> None:
+        """The reader took ``count`` outputs: credit back to the walk."""
+        self.run.ack(count)
+        self.loop.kick()
+
+    def cancel(self) -> None:
+        """Stop the walk now (its sink hears ``end`` before this returns)."""
+        self.run.cancel()
+        self.loop.kick()

@@ -1,0 +1,432 @@
+"""Runs one walk of one request on the worker that holds its nodes: an interpreter over the plan.
+
+Every node is a coroutine driven by the worker's ``Trampoline``; every edge is a value cell or
+a streaming edge (a chunk policy feeding a bounded deque) that lives in the scope (the walk's
+top level, or one loop iteration) the plan names. A node fires once, or once per chunk when it
+consumes a stream; each firing is one ``StepRequest`` the worker batches with other requests'.
+Loop iterations, carries and ``until`` run here, between rounds of the worker's batching loop,
+with no event-loop task, event or thread hop of their own.
+
+Outputs leave through a ``WalkSink`` with credit-based backpressure: at most ``window`` outputs
+are unacknowledged at once; past that the walk waits until the reader acknowledges some.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from mstar_async.errors import RequestError, WalkInputError
+from mstar_async.graph import (
+    Block,
+    DynamicLoop,
+    EdgePlan,
+    Loop,
+    LoopStep,
+    Node,
+    NodeRef,
+    Parallel,
+    PortRef,
+    Sequential,
+    WalkPlan,
+)
+from mstar_async.policies import Chunk, ChunkPolicy
+from mstar_async.worker.trampoline import Condition, Flag, StepRequest, TaskGroup, Trampoline
+
+#: How many outputs a walk may have in flight to its reader before it waits for credit.
+OUTPUT_WINDOW = 16
+
+
+class WalkSink(Protocol):
+    """Where a running walk's outputs go (the conductor, in this process or over ZeroMQ)."""
+
+    def emit(self, port: str, value: Any, iteration: int) -> None:
+        """One output of the walk, in order."""
+        ...
+
+    def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
+        """The walk is over: the values it leaves for later walks, or the error that ended it
+        (``None`` also when it was cancelled). Called exactly once, after the last ``emit``."""
+        ...
+
+
+class _Cell:
+    """The value of a plain edge: the producer's latest output, final once the producer ends."""
+
+    __slots__ = ("done", "has_value", "value")
+
+    def __init__(self, trampoline: Trampoline) -> None:
+        self.done = Flag(trampoline)
+        self.has_value = False
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self.has_value = True
+
+    async def get(self, edge: EdgePlan) -> Any:
+        await self.done.wait()
+        if not self.has_value:
+            raise RequestError(
+                f"edge {edge.edge}: node {edge.src.node!r} finished without producing "
+                f"{edge.src} (a loop that ran no iteration, or a stream that carried nothing)"
+            )
+        return self.value
+
+
+class _Stream:
+    """A streaming edge inside one worker: the policy's chunks in a deque of at most
+    ``max_buffer``; ``send`` waits while it is full, ``receive`` while it is empty."""
+
+    __slots__ = ("chunks", "closed", "cond", "max_buffer", "policy", "reader_gone")
+
+    def __init__(self, trampoline: Trampoline, policy: ChunkPolicy, max_buffer: int) -> None:
+        self.policy = policy
+        self.max_buffer = max_buffer
+        self.chunks: deque[Chunk] = deque()
+        self.cond = Condition(trampoline)
+        self.closed = False
+        self.reader_gone = False
+
+    async def send(self, items: Any) -> None:
+        self._put(self.policy.push(items))
+        while len(self.chunks) > self.max_buffer and not self.reader_gone:
+            await self.cond
+
+    def close(self) -> None:
+        if not self.closed:
+            self._put(self.policy.close())
+            self.closed = True
+            self.cond.notify_all()
+
+    def _put(self, chunks: list[Chunk]) -> None:
+        if chunks and not self.reader_gone:
+            self.chunks.extend(chunks)
+            self.cond.notify_all()
+
+    async def receive(self) -> Chunk | None:
+        """The next chunk, or ``None`` once the stream has ended and drained."""
+        while not self.chunks:
+            if self.closed:
+                return None
+            await self.cond
+        self.cond.notify_all()
+        return self.chunks.popleft()
+
+    def abandon(self) -> None:
+        self.reader_gone = True
+        self.chunks.clear()
+        self.cond.notify_all()
+
+
+class _Scope:
+    """The walk's top level, or one iteration of a loop."""
+
+    __slots__ = ("cells", "fixed", "iteration", "last", "loop", "parent", "streams")
+
+    def __init__(
+        self,
+        run: WalkRun,
+        loop: Loop | DynamicLoop | None,
+        parent: _Scope | None,
+        fixed: dict[PortRef, Any],
+        iteration: int,
+    ) -> None:
+        self.loop = loop
+        self.parent = parent
+        self.fixed = fixed
+        self.iteration = iteration
+        self.last: dict[PortRef, Any] = {}
+        self.cells: dict[EdgePlan, _Cell] = {}
+        self.streams: dict[EdgePlan, _Stream] = {}
+        for edge in run.plan.scope_edges.get(loop, ()):
+            if edge.streaming:
+                assert edge.edge.policy is not None
+                self.streams[edge] = _Stream(
+                    run.trampoline, edge.edge.policy.fresh(), edge.edge.max_buffer
+                )
+            else:
+                self.cells[edge] = _Cell(run.trampoline)
+
+    def owner(self, loop: Loop | DynamicLoop | None) -> _Scope:
+        scope: _Scope | None = self
+        while scope is not None and scope.loop is not loop:
+            scope = scope.parent
+        assert scope is not None, "plan names a scope outside this one"
+        return scope
+
+
+def _as_items(value: Any) -> Any:
+    # One firing is one stream item: a tensor gains the item axis, anything else is listed.
+    if isinstance(value, torch.Tensor):
+        return value.unsqueeze(0)
+    return [value]
+
+
+class WalkRun:
+    """One walk of one request, running on this worker's trampoline.
+
+    ``persisted`` holds the values earlier walks of the request left for this one (by the
+    producing port). Start it with ``start()``; ``cancel()`` stops it between steps.
+    """
+
+    def __init__(
+        self,
+        plan: WalkPlan,
+        request_id: str,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        trampoline: Trampoline,
+        sink: WalkSink,
+        *,
+        window: int = OUTPUT_WINDOW,
+    ) -> None:
+        self.plan = plan
+        self.request_id = request_id
+        self.inputs = inputs
+        self.params = params
+        self.persisted_in = persisted
+        self.trampoline = trampoline
+        self.sink = sink
+        self.window = window
+        self.unacked = 0
+        self.left: dict[PortRef, Any] = {}
+        self._credit = Condition(trampoline)
+        self._outputs = {ref: str(ref) for ref in plan.outputs}
+        self._names: dict[PortRef, str] = {}
+        self.group = TaskGroup(trampoline, self._ended)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the walk has finished, failed or been cancelled."""
+        return self.group.ended
+
+    def start(self) -> None:
+        """Schedule the walk's first coroutine (it runs on the trampoline's next pass)."""
+        self.group.spawn(self._main())
+
+    def cancel(self) -> None:
+        """Stop the walk now; its sink hears ``end`` with no error. Idempotent."""
+        self.group.cancel(None)
+
+    def ack(self, count: int) -> None:
+        """The reader consumed ``count`` more outputs: that much credit returns."""
+        self.unacked -= count
+        self._credit.notify_all()
+
+    def _ended(self, error: BaseException | None) -> None:
+        self.sink.end(self.left if error is None else {}, error)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.group.spawn(coro)
+
+    async def _main(self) -> None:
+        top = _Scope(self, None, None, {}, 0)
+        try:
+            await self._run_block(self.plan.walk.body, top)
+        finally:
+            _close_scope(top)
+
+    async def _run_block(self, block: Block, scope: _Scope) -> None:
+        if isinstance(block, NodeRef):
+            await self._run_node(self.plan.nodes[block.name], scope)
+        elif isinstance(block, Sequential):
+            await self._run_sequential(block, scope)
+        elif isinstance(block, Parallel):
+            await self._run_parallel(block, scope)
+        else:
+            await self._run_loop(block, scope)
+        self._finalize(block, scope)
+
+    async def _run_parallel(self, block: Parallel, scope: _Scope) -> None:
+        done = [Flag(self.trampoline) for _ in block.branches]
+        for branch, flag in zip(block.branches, done, strict=True):
+            self._spawn(self._run_child(branch, scope, None, flag))
+        for flag in done:
+            await flag.wait()
+
+    async def _run_sequential(self, block: Sequential, scope: _Scope) -> None:
+        pipelined = self.plan.pipelined[block]
+        if not any(pipelined):
+            for child in block.children:
+                await self._run_block(child, scope)
+            return
+        flags: list[tuple[Flag, Flag]] = []
+        for child, pipe in zip(block.children, pipelined, strict=True):
+            if flags:
+                started, done = flags[-1]
+                await (started if pipe else done).wait()
+            flags.append((Flag(self.trampoline), Flag(self.trampoline)))
+            self._spawn(self._run_child(child, scope, *flags[-1]))
+        for _, done in flags:
+            await done.wait()
+
+    async def _run_child(
+        self, block: Block, scope: _Scope, started: Flag | None, done: Flag
+    ) -> None:
+        if started is not None:
+            started.set()
+        await self._run_block(block, scope)
+        done.set()
+
+    def _finalize(self, block: Block, scope: _Scope) -> None:
+        for edge in self.plan.finalize_after.get(block, ()):
+            target = scope.owner(edge.lca)
+            if edge.streaming:
+                target.streams[edge].close()
+            else:
+                target.cells[edge].done.set()
+
+    async def _run_node(self, node: Node, scope: _Scope) -> None:
+        streamed = self.plan.stream_input(node.name)
+        inputs: dict[str, Any] = {}
+        for port in node.inputs:
+            ref = PortRef(node.name, port)
+            if streamed is None or ref != streamed.dst:
+                inputs[port] = await self._resolve(ref, scope)
+        if streamed is None:
+            await self._fire(node, inputs, scope)
+            return
+        stream = scope.owner(streamed.lca).streams[streamed]
+        try:
+            while (chunk := await stream.receive()) is not None:
+                await self._fire(node, {**inputs, streamed.dst.port: chunk}, scope)
+        finally:
+            stream.abandon()
+
+    async def _resolve(self, ref: PortRef, scope: _Scope) -> Any:
+        search: _Scope | None = scope
+        while search is not None:
+            if ref in search.fixed:
+                return search.fixed[ref]
+            search = search.parent
+        edge = self.plan.in_edge.get(ref)
+        if edge is not None:
+            return await scope.owner(edge.lca).cells[edge].get(edge)
+        if ref in self.inputs:
+            return self.inputs[ref]
+        source = self.plan.persisted_in.get(ref)
+        if source is not None:
+            if source in self.persisted_in:
+                return self.persisted_in[source]
+            raise WalkInputError(
+                f"walk {self.plan.walk.name!r} needs {ref}, which {source} feeds from another "
+                f"walk; run that walk first in this request, or pass {ref.port}=..."
+            )
+        raise WalkInputError(
+            f"walk {self.plan.walk.name!r} needs input {ref}; pass {ref.port}=... "
+            f"(or '{ref}'=...) when you run it"
+        )
+
+    async def _fire(self, node: Node, inputs: dict[str, Any], scope: _Scope) -> None:
+        outputs = await StepRequest(self.request_id, node.engine, node.op, inputs, node.name)
+        for port in node.outputs:
+            if port not in outputs:
+                raise RequestError(
+                    f"node {node.name!r}: engine {node.engine!r} op {node.op!r} returned "
+                    f"{sorted(outputs)} but the node declares output {port!r}"
+                )
+            await self._publish(PortRef(node.name, port), outputs[port], scope)
+
+    async def _publish(self, ref: PortRef, value: Any, scope: _Scope) -> None:
+        search: _Scope | None = scope
+        while search is not None:
+            search.last[ref] = value
+            search = search.parent
+        for edge in self.plan.out_edges.get(ref, ()):
+            target = scope.owner(edge.lca)
+            if edge.streaming:
+                await target.streams[edge].send(_as_items(value))
+            else:
+                target.cells[edge].set(value)
+        if ref in self.plan.persisted_out:
+            self.left[ref] = value
+        name = self._outputs.get(ref)
+        if name is not None:
+            while self.unacked >= self.window:
+                await self._credit
+            self.unacked += 1
+            self.sink.emit(name, value, scope.iteration)
+
+    async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
+        fixed: dict[PortRef, Any] = {}
+        streams: dict[PortRef, _Stream] = {}
+        for edge in self.plan.loop_imports.get(loop, ()):
+            if edge.streaming:
+                streams[edge.dst] = scope.streams[edge]
+            else:
+                fixed[edge.dst] = await scope.cells[edge].get(edge)
+        try:
+            await self._iterate(loop, scope, fixed, streams)
+        finally:
+            for stream in streams.values():
+                stream.abandon()
+
+    async def _iterate(
+        self,
+        loop: Loop | DynamicLoop,
+        scope: _Scope,
+        fixed: dict[PortRef, Any],
+        streams: dict[PortRef, _Stream],
+    ) -> None:
+        carried: dict[PortRef, Any] = {}
+        dynamic = isinstance(loop, DynamicLoop)
+        for iteration in range(self._iterations(loop)):
+            current = {**fixed, **carried} if carried else dict(fixed)
+            for port, stream in streams.items():
+                chunk = await stream.receive()
+                if chunk is None:
+                    return
+                current[port] = chunk
+            inner = _Scope(self, loop, scope, current, iteration)
+            try:
+                await self._run_block(loop.body, inner)
+            finally:
+                _close_scope(inner)
+            carried = _carry(loop, inner.last)
+            if dynamic and loop.until(LoopStep(iteration, self._named(inner.last), self.params)):  # type: ignore[union-attr]
+                return
+
+    def _named(self, last: Mapping[PortRef, Any]) -> dict[str, Any]:
+        names = self._names
+        named: dict[str, Any] = {}
+        for ref, value in last.items():
+            name = names.get(ref)
+            if name is None:
+                name = names[ref] = str(ref)
+            named[name] = value
+        return named
+
+    def _iterations(self, loop: Loop | DynamicLoop) -> int:
+        if isinstance(loop, DynamicLoop):
+            return loop.max_iterations
+        if isinstance(loop.iterations, int):
+            return loop.iterations
+        value = self.params.get(loop.iterations)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise WalkInputError(
+                f"walk {self.plan.walk.name!r}: its Loop takes its iteration count from parameter "
+                f"{loop.iterations!r}; pass params={{{loop.iterations!r}: <int >= 1>}} "
+                f"(got {value!r})"
+            )
+        return value
+
+
+def _close_scope(scope: _Scope) -> None:
+    for stream in scope.streams.values():
+        stream.abandon()
+        stream.closed = True
+
+
+def _carry(loop: Loop | DynamicLoop, last: Mapping[PortRef, Any]) -> dict[PortRef, Any]:
+    carried: dict[PortRef, Any] = {}
+    for src, dsts in loop.carry.items():
+        if src not in last:
+            raise RequestError(f"loop carry: {src} produced nothing this iteration")
+        for dst in dsts:
+            carried[dst] = last[src]
+    return carried
