@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ def add_bench_parser(sub: Any) -> None:
     _add_vla_parser(kinds)
     _add_image_parser(kinds)
     _add_speech_parser(kinds)
+    _add_overhead_parser(kinds)
 
 
 def _add_rollout_parser(kinds: Any) -> None:
@@ -331,6 +333,70 @@ def _speech(args: argparse.Namespace, _: list[str]) -> int:
             print("matplotlib is not installed: no plot", file=sys.stderr)
     except (MstarError, ValueError) as exc:
         print(f"mstar bench speech: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _names(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argument type: comma-separated names, each one of ``choices``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [name for name in names if name not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"expected some of {','.join(choices)} (comma-separated), got {text!r}"
+            )
+        return names
+
+    return parse
+
+
+def _add_overhead_parser(kinds: Any) -> None:
+    systems = ("in-process", "one-worker", "two-workers")
+    engines = ("no-work", "fixed-cost")
+    overhead = kinds.add_parser(
+        "overhead",
+        help="control-plane cost per request-iteration, with engines that do no work",
+        description=(
+            "Microseconds per request per loop iteration and engine forwards per second of the "
+            "noop model (a DynamicLoop over an engine that does no work, or sleeps 2 ms per "
+            "forward) in process, on one worker process and on two, at N = 1, 32, 128 "
+            "concurrent requests of K = 200 iterations, 3 repetitions."
+        ),
+    )
+    overhead.add_argument("--quick", action="store_true", help="N=1,32, K=50, 2 repetitions")
+    overhead.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    overhead.add_argument("--concurrency", type=_concurrency, help="request counts (1,32,128)")
+    overhead.add_argument("--iterations", type=_positive, help="loop iterations per request (200)")
+    overhead.add_argument("--repeat", type=_positive, help="repetitions (3; --quick: 2)")
+    overhead.add_argument(
+        "--systems", type=_names(systems), help=f"comma-separated ({','.join(systems)})"
+    )
+    overhead.add_argument(
+        "--engines", type=_names(engines), help=f"comma-separated ({','.join(engines)})"
+    )
+    overhead.set_defaults(handler=_overhead)
+
+
+def _overhead(args: argparse.Namespace, _: list[str]) -> int:
+    try:
+        _ensure_benchmarks()
+        from benchmarks.common import ProgressLog
+        from benchmarks.overhead import configure, format_report, preset, run_overhead_sync
+
+        config = configure(
+            preset(args.quick),
+            concurrency=args.concurrency,
+            iterations=args.iterations,
+            repeat=args.repeat,
+            systems=args.systems,
+            engines=args.engines,
+        )
+        report = run_overhead_sync(config, ProgressLog())
+    except MstarError as exc:
+        print(f"mstar bench overhead: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
