@@ -16,11 +16,11 @@ from anyio.abc import TaskGroup
 from mstar_async.conductor.executor import StepExecutor
 from mstar_async.conductor.hosted import WalkHost
 from mstar_async.conductor.metrics import RequestMetrics
+from mstar_async.conductor.outbox import Outbox
 from mstar_async.conductor.request import RequestContext
 from mstar_async.errors import MstarError, RequestCancelled, RequestError
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
-from mstar_async.streams import ChannelReceiver, ChannelSender, open_channel
 
 log = get_logger("mstar_async.conductor")
 
@@ -44,13 +44,13 @@ class RequestStream:
     ``metrics`` fills in as the request runs (first-output times, audio, tokens, outcome).
     """
 
-    def __init__(self, request_id: str, receiver: ChannelReceiver[Any]) -> None:
+    def __init__(self, request_id: str, outbox: Outbox) -> None:
         self.request_id = request_id
         self.metrics = RequestMetrics(request_id)
         self.context: RequestContext | None = None
         self.error: BaseException | None = None
         self.cancelled = False
-        self._receiver = receiver
+        self._outbox = outbox
         self._scope = anyio.CancelScope()
         self._finished = anyio.Event()
 
@@ -65,9 +65,9 @@ class RequestStream:
                 was cancelled from elsewhere (a timeout, ``conductor.cancel``).
         """
         try:
-            return await self._receiver.receive()
+            return await self._outbox.get()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._receiver.close()
+            self._outbox.close_reader()
         await self._finished.wait()
         if self.error is not None:
             raise RequestError(f"request {self.request_id} failed: {self.error}") from self.error
@@ -96,7 +96,7 @@ class RequestStream:
         Safe from a cancelled task: the wait is shielded and lasts until the step in flight ends.
         """
         self._scope.cancel()
-        self._receiver.close()
+        self._outbox.close_reader()
         with anyio.CancelScope(shield=True):
             await self._finished.wait()
 
@@ -156,38 +156,36 @@ class Conductor:
         except TypeError as exc:
             raise RequestError(f"model {self.model.name!r}: bad request inputs: {exc}") from None
         request_id = request_id or uuid.uuid4().hex[:16]
-        sender: ChannelSender[Any]
-        receiver: ChannelReceiver[Any]
-        sender, receiver = open_channel(self.output_buffer, name=f"request {request_id}")
-        stream = RequestStream(request_id, receiver)
+        outbox = Outbox(self.output_buffer)
+        stream = RequestStream(request_id, outbox)
         self.active[request_id] = stream
         self._task_group.start_soon(
-            self._serve, stream, sender, inputs, name=f"request {request_id}"
+            self._serve, stream, inputs, name=f"request {request_id}"
         )
         return stream
 
     async def _serve(
-        self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
+        self, stream: RequestStream, inputs: dict[str, Any]
     ) -> None:
         with structlog.contextvars.bound_contextvars(request_id=stream.request_id):
             log.debug("request.start", model=self.model.name)
             completed = False
             try:
                 with stream._scope:
-                    await self._run_program(stream, sender, inputs)
+                    await self._run_program(stream, inputs)
                     completed = True
             except Exception as exc:  # a failure of this request only; never a cancellation
                 stream.error = _as_request_failure(unwrap(exc), stream)
             finally:
                 stream.cancelled = stream.cancelled or (not completed and stream.error is None)
-                sender.close()
-                if not (completed and stream._receiver.statistics().buffered):
+                stream._outbox.close_producer()
+                if not (completed and stream._outbox.buffered):
                     # What a finished request left in the buffer stays for a client that reads
                     # it later (its ``__anext__`` closes this end at the end of the stream).
-                    stream._receiver.close()
+                    stream._outbox.close_reader()
                 if stream.context is not None:
                     stream.context.cancel_walks()
-                    stream.context.close_channels(keep=stream._receiver)
+                    stream.context.close_channels(keep=stream._outbox)
                 with anyio.CancelScope(shield=True):
                     await self.executor.release(stream.request_id)
                 self.active.pop(stream.request_id, None)
@@ -201,7 +199,7 @@ class Conductor:
                 )
 
     async def _run_program(
-        self, stream: RequestStream, sender: ChannelSender[Any], inputs: dict[str, Any]
+        self, stream: RequestStream, inputs: dict[str, Any]
     ) -> None:
         async with anyio.create_task_group() as walks:
             context = RequestContext(
@@ -213,11 +211,11 @@ class Conductor:
                 walks=self.walks,
             )
             stream.context = context
-            context.track(sender, stream._receiver)
+            context.track(stream._outbox)
             async with aclosing(self.model.program(context, **inputs)) as program:
                 async for item in program:
                     stream.metrics.observe(item)
-                    await sender.send(item)
+                    await stream._outbox.put(item)
             walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
 
 
