@@ -132,7 +132,7 @@ async def _serve_messages(
         elif isinstance(message, Peers):
             tensors.set_peers(message.endpoints)
         elif isinstance(message, Ping):
-            await link.send(Pong(message.id, tensors.stats()))
+            await link.send(Pong(message.id, {**tensors.stats(), **_loop_stats(batching)}))
         elif isinstance(message, Shutdown):
             return
 
@@ -141,6 +141,11 @@ async def _run_step(
     link: Link, batching: WalkLoop, tensors: WorkerTensors, request: StepRequest
 ) -> None:
     await link.send(await tensors.run_step(batching.submit, request))
+
+
+def _loop_stats(batching: WalkLoop) -> dict[str, int]:
+    stats = batching.stats
+    return {"forwards": stats.forwards, "steps": stats.steps, "walks": batching.walks_running}
 
 
 async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:

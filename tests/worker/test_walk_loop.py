@@ -1,0 +1,110 @@
+"""Walks driven by a worker's batching loop: output credit holds a producer at its window, in
+this process and across processes; slow forwards leave the loop's thread, fast ones stay."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from mstar_async.models import build_model
+from mstar_async.placement import Placement
+from mstar_async.runtime import open_runtime
+from mstar_async.worker.walk_run import OUTPUT_WINDOW
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+ITERATIONS = 500
+
+
+async def settled(read: Callable[[], Awaitable[int]], *, quiet: float = 0.3) -> int:
+    """``read()`` once it has stopped changing for ``quiet`` seconds (deadline-bounded by the
+    test's timeout): the producer has reached whatever holds it."""
+    last = await read()
+    stable_since = anyio.current_time()
+    while anyio.current_time() - stable_since < quiet:
+        await anyio.sleep(0.02)
+        now = await read()
+        if now != last:
+            last, stable_since = now, anyio.current_time()
+    return last
+
+
+async def test_a_reader_that_stops_holds_the_walk_at_its_window_in_process() -> None:
+    async with open_runtime(build_model("noop")) as runtime:
+        stats = runtime.batching.stats
+
+        async def steps() -> int:
+            return stats.steps
+
+        async with runtime.generate(iterations=ITERATIONS) as outputs:
+            first = await outputs.__anext__()
+            assert first[0] == 1
+            held = await settled(steps)
+            # One read, a full window in flight, one program output queued in the request's
+            # buffer per read, and the step that found the window full.
+            assert OUTPUT_WINDOW <= held <= 1 + OUTPUT_WINDOW + 16 + 2
+            rest = [item async for item in outputs]
+        assert [tick[0] for tick in rest] == list(range(2, ITERATIONS + 1))
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_a_reader_that_stops_holds_the_walk_at_its_window_across_processes() -> None:
+    async with open_runtime(build_model("noop"), placement=Placement.single()) as runtime:
+        assert runtime.pool is not None
+        pool = runtime.pool
+
+        async def steps() -> int:
+            return (await pool.worker_stats(0))["steps"]
+
+        async with runtime.generate(iterations=ITERATIONS) as outputs:
+            first = await outputs.__anext__()
+            assert first[0] == 1
+            held = await settled(steps)
+            assert OUTPUT_WINDOW <= held <= 1 + OUTPUT_WINDOW + 16 + 2
+            assert (await pool.worker_stats(0))["walks"] == 1
+            rest = [item async for item in outputs]
+        assert [tick[0] for tick in rest] == list(range(2, ITERATIONS + 1))
+        assert await settled(lambda: _walks(pool)) == 0
+
+
+async def _walks(pool: Any) -> int:
+    return int((await pool.worker_stats(0))["walks"])
+
+
+async def test_slow_forwards_run_off_the_loop_thread_and_fast_ones_inline() -> None:
+    loop_thread = threading.get_ident()
+    for forward_ms, inline_expected in ((0.0, True), (20.0, False)):
+        async with open_runtime(build_model("noop", forward_ms=forward_ms)) as runtime:
+            engine = runtime.batching.engines["noop"]
+            threads: list[int] = []
+            forward = engine.forward
+
+            def watched(steps: Any, forward: Any = forward, threads: list[int] = threads) -> Any:
+                threads.append(threading.get_ident())
+                return forward(steps)
+
+            engine.forward = watched  # type: ignore[method-assign]
+            async with runtime.generate(iterations=20) as outputs:
+                assert len([item async for item in outputs]) == 20
+            assert threads[0] != loop_thread  # nothing measured yet: off the loop
+            later = threads[5:]
+            assert all((t == loop_thread) == inline_expected for t in later)
+
+
+async def test_leaving_a_request_frees_its_kv_and_leaves_no_walk(tiny_folder: Path) -> None:
+    model = build_model("causal-lm", path=tiny_folder, dtype="float32")
+    async with open_runtime(model) as runtime:
+        engine = runtime.batching.engines["lm"]
+        async with runtime.generate(
+            prompt="hello " * 40, max_tokens=200, ignore_eos=True
+        ) as outputs:
+            await outputs.__anext__()
+            assert engine.blocks_in_use > 0
+        assert engine.blocks_in_use == 0
+        assert runtime.batching.walks_running == 0
+        assert not runtime.batching.scheduler.has_work
