@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from contextlib import aclosing
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +33,15 @@ class WalkControl(Protocol):
 
     def cancel(self) -> None:
         """Stop the walk; its sink hears ``end`` (at once in process, soon across processes)."""
+        ...
+
+    async def feed(self, port: PortRef, items: Any) -> None:
+        """Items of the walk's streamed input ``port``; returns once it has room for more (or
+        the walk has ended). Cancel-safe."""
+        ...
+
+    def end_input(self, port: PortRef) -> None:
+        """The walk's streamed input ``port`` has ended."""
         ...
 
 
@@ -130,6 +140,7 @@ class HostedWalkStream:
         self._inbox = WalkInbox()
         self._control: WalkControl | None = None
         self._error_seen = False
+        self._feeders: list[anyio.CancelScope] = []
 
     @property
     def ended(self) -> bool:
@@ -144,18 +155,38 @@ class HostedWalkStream:
                 for src in self._plan.persisted_in.values()
                 if src in persisted
             }
+            streamed = self._plan.input_streams
+            inputs = {ref: v for ref, v in self._inputs.items() if ref not in streamed}
             self._request.hosted.append(self)
-            self._control = self._host.open_walk(
-                self._request.request_id,
-                self._plan,
-                self._inputs,
-                self._params,
-                needed,
-                self._inbox,
+            control = self._host.open_walk(
+                self._request.request_id, self._plan, inputs, self._params, needed, self._inbox
             )
+            self._control = control
+            for ref in streamed:
+                scope = anyio.CancelScope()
+                self._feeders.append(scope)
+                self._request.start_soon(self._feed, control, ref, self._inputs[ref], scope)
+
+    async def _feed(
+        self, control: WalkControl, port: PortRef, source: AsyncIterable[Any], scope: Any
+    ) -> None:
+        # Items reach the walk as they arrive; ``feed`` returns when the input has room, so a
+        # source faster than the walk is held back (it is never read ahead unboundedly).
+        with scope:
+            try:
+                async with aclosing(aiter(source)) as items:  # type: ignore[type-var]
+                    async for item in items:
+                        if self._inbox.ended:
+                            break
+                        await control.feed(port, item)
+            finally:
+                if not self._inbox.ended:
+                    control.end_input(port)
 
     def cancel(self) -> None:
         """Ask the walk to stop (no wait); idempotent."""
+        for scope in self._feeders:
+            scope.cancel()
         if self._control is not None and not self._inbox.ended:
             self._control.cancel()
 

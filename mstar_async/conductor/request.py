@@ -96,9 +96,16 @@ class RequestContext:
         """
         plan = self.model.plan(walk)
         bound, bound_params = _bind_inputs(plan, inputs), dict(params or {})
-        if self.walks is not None and self.walks.hosts(self.request_id, plan):
+        hosted = self.walks is not None and self.walks.hosts(self.request_id, plan)
+        _check_streams(plan, bound, hosted=hosted)
+        if hosted:
+            assert self.walks is not None
             return HostedWalkStream(self, self.walks, plan, bound, bound_params)
         return WalkStream(self, plan, bound, bound_params)
+
+    def start_soon(self, func: Any, *args: Any) -> None:
+        """Run ``func(*args)`` in the request's task group (cancelled with the request)."""
+        self._task_group.start_soon(func, *args)
 
     def cancel_walks(self) -> None:
         """Stop every hosted walk of this request that still runs (no wait); idempotent."""
@@ -121,6 +128,27 @@ class RequestContext:
             async for event in events:
                 last[event.port] = event.value
         return WalkResult(last)
+
+
+def _check_streams(plan: WalkPlan, bound: Mapping[PortRef, Any], *, hosted: bool) -> None:
+    """Streamed walk inputs need an async iterable each, and a walk that runs on one rank."""
+    for ref in plan.input_streams:
+        if ref not in bound:
+            raise WalkInputError(
+                f"walk {plan.walk.name!r} takes {ref} as a stream; pass {ref.port}=<an async "
+                "iterable of items> when you run it"
+            )
+        if not hasattr(bound[ref], "__aiter__"):
+            raise WalkInputError(
+                f"walk {plan.walk.name!r}: input {ref} is a stream; pass an async iterable of "
+                f"items (lists, or tensors whose dim 0 is the item axis), got "
+                f"{type(bound[ref]).__name__}"
+            )
+        if not hosted:
+            raise WalkInputError(
+                f"walk {plan.walk.name!r} takes a streamed input but its nodes span ranks; "
+                "place the walk's nodes on one rank to stream inputs into it"
+            )
 
 
 def _bind_inputs(plan: WalkPlan, inputs: Mapping[str, Any]) -> dict[PortRef, Any]:

@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 
 from mstar_async.errors import GraphError
 from mstar_async.graph.nodes import Node, PortRef, check_name
+from mstar_async.policies import ChunkPolicy
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,15 +187,34 @@ class Walk:
     ``outputs`` lists the ``"node.port"``s the walk hands back to the request program; by
     default every output port of its nodes that no edge consumes.
 
+    ``streams`` maps walk input ports (``"node.port"``) that arrive as a stream while the walk
+    runs (audio frames as a user speaks) to the chunk policy that cuts them; the program passes
+    an async iterable for such an input, and the node fires once per chunk. ``max_buffer``
+    bounds the chunks waiting for the node: the feed waits beyond it (backpressure).
+
     Raises:
-        GraphError: the name is invalid.
+        GraphError: the name is invalid, or ``max_buffer`` is below 1.
     """
 
     name: str
     body: Block
     outputs: tuple[str, ...] | None = None
+    streams: tuple[tuple[str, ChunkPolicy], ...] = ()
+    max_buffer: int = 8
 
-    def __init__(self, name: str, body: BlockLike, outputs: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        body: BlockLike,
+        outputs: Sequence[str] | None = None,
+        *,
+        streams: Mapping[str, ChunkPolicy] | None = None,
+        max_buffer: int = 8,
+    ) -> None:
         object.__setattr__(self, "name", check_name("walk", name))
         object.__setattr__(self, "body", as_block(body))
         object.__setattr__(self, "outputs", None if outputs is None else tuple(outputs))
+        object.__setattr__(self, "streams", tuple((streams or {}).items()))
+        if not isinstance(max_buffer, int) or max_buffer < 1:
+            raise GraphError(f"walk {name!r}: max_buffer must be an int >= 1, got {max_buffer!r}")
+        object.__setattr__(self, "max_buffer", max_buffer)

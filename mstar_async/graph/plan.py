@@ -28,6 +28,7 @@ from mstar_async.graph.blocks import (
     node_names,
 )
 from mstar_async.graph.nodes import Edge, Node, PortRef
+from mstar_async.policies import ChunkPolicy
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +67,8 @@ class WalkPlan:
     persisted_out: frozenset[PortRef]
     outputs: tuple[PortRef, ...]
     input_ports: dict[PortRef, None]
+    #: Walk inputs that arrive as a stream (``Walk.streams``): port -> the policy template.
+    input_streams: dict[PortRef, ChunkPolicy] = field(default_factory=dict)
     scope_edges: dict[AnyLoop | None, list[EdgePlan]] = field(default_factory=dict)
     loop_imports: dict[AnyLoop, list[EdgePlan]] = field(default_factory=dict)
     finalize_after: dict[Block, list[EdgePlan]] = field(default_factory=dict)
@@ -209,6 +212,37 @@ def _is_stream(edge: EdgePlan | None) -> bool:
     return edge is not None and edge.streaming
 
 
+def _input_streams(
+    walk: Walk,
+    nodes: Mapping[str, Node],
+    chains: Mapping[str, tuple[AnyLoop, ...]],
+    input_ports: Mapping[PortRef, None],
+    in_edge: Mapping[PortRef, EdgePlan],
+) -> dict[PortRef, ChunkPolicy]:
+    streams: dict[PortRef, ChunkPolicy] = {}
+    for name, policy in walk.streams:
+        ref = PortRef.parse(name, role=f"walk {walk.name!r} stream")
+        if ref not in input_ports:
+            raise GraphError(
+                f"walk {walk.name!r}: stream {ref} is not a free input port of the walk "
+                f"(free inputs: {sorted(str(r) for r in input_ports)})"
+            )
+        if chains[ref.node]:
+            raise GraphError(
+                f"walk {walk.name!r}: stream {ref} feeds a node inside a loop; a streamed walk "
+                "input feeds a node outside loops, which fires once per chunk"
+            )
+        if any(_is_stream(in_edge.get(PortRef(ref.node, p))) for p in nodes[ref.node].inputs):
+            raise GraphError(
+                f"walk {walk.name!r}: node {ref.node!r} takes stream {ref} and a streaming "
+                "edge; a node consumes at most one stream"
+            )
+        if not isinstance(policy, ChunkPolicy):
+            raise GraphError(f"walk {walk.name!r}: stream {ref} needs a ChunkPolicy, got {policy!r}")
+        streams[ref] = policy
+    return streams
+
+
 def plan_walk(walk: Walk, graph_nodes: Mapping[str, Node], graph_edges: list[Edge]) -> WalkPlan:
     """Check one walk against the graph and work out its scopes.
 
@@ -276,6 +310,7 @@ def plan_walk(walk: Walk, graph_nodes: Mapping[str, Node], graph_edges: list[Edg
         for port in node.inputs
         if PortRef(name, port) not in in_edge
     }
+    input_streams = _input_streams(walk, nodes, chains, input_ports, in_edge)
     plan = WalkPlan(
         walk=walk,
         nodes=nodes,
@@ -287,6 +322,7 @@ def plan_walk(walk: Walk, graph_nodes: Mapping[str, Node], graph_edges: list[Edg
         persisted_out=frozenset(persisted_out),
         outputs=outputs,
         input_ports=input_ports,
+        input_streams=input_streams,
         pipelined=pipelined,
     )
     for e in edges:

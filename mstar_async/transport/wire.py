@@ -201,17 +201,31 @@ class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
     cancel: list[int] = []
 
 
+class FeedWalk(_Msg, frozen=True, tag="feed"):
+    """Items of walk ``id``'s streamed input ``port`` (``"node.port"``), or its end
+    (``end``, with no items). The worker acknowledges a feed once the input has room again
+    (``WalkUpdates.fed``): one feed per input is in flight at a time."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("items",)
+
+    id: int
+    port: str
+    items: Any = None
+    end: bool = False
+
+
 class WalkUpdates(_Msg, frozen=True, tag="walked"):
     """What the walks on one worker made since its last such message (one per round):
     ``events`` as ``[walk id, port, value, iteration]``, ``ended`` as ``[walk id, persisted]``
     (values left for later walks, keyed ``"node.port"``), and walk id -> the error that ended
-    it."""
+    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended")
 
     events: list[Any] = []
     ended: list[Any] = []
     errors: dict[int, ErrorInfo] = {}
+    fed: list[tuple[int, str]] = []
 
 
 class Release(_Msg, frozen=True, tag="release", gc=False):
@@ -263,6 +277,7 @@ Message = (
     | StepReply
     | StartWalk
     | WalkCredit
+    | FeedWalk
     | WalkUpdates
     | Release
     | Shutdown
@@ -280,6 +295,7 @@ _MESSAGE_TYPES = (
     StepReply,
     StartWalk,
     WalkCredit,
+    FeedWalk,
     WalkUpdates,
     Release,
     Shutdown,

@@ -21,6 +21,7 @@ from mstar_async.graph import ModelSource
 from mstar_async.logs import configure_logging, get_logger
 from mstar_async.transport import (
     FetchTensor,
+    FeedWalk,
     Hello,
     Link,
     Peers,
@@ -119,7 +120,10 @@ async def _serve_messages(
         message = await link.recv()
         if isinstance(message, WalkCredit):
             walks.credit(message)
+        elif isinstance(message, FeedWalk):
+            walks.feed(message)
         elif isinstance(message, StartWalk):
+            walks.begin(message)
             tg.start_soon(walks.start, message)
         elif isinstance(message, StepRequest):
             tg.start_soon(_run_step, link, batching, tensors, message)

@@ -38,6 +38,7 @@ from mstar_async.transport import (
     Shutdown,
     StepCall,
     StepReply,
+    FeedWalk,
     StartWalk,
     StepRequest,
     TensorRef,
@@ -136,7 +137,8 @@ class WorkerPool:
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
-        self._starts: list[tuple[int, StartWalk]] = []
+        self._starts: list[tuple[int, StartWalk | FeedWalk]] = []
+        self._feeds: dict[tuple[int, str], asyncio.Future[None]] = {}
         self._credits: dict[int, dict[int, int]] = {}
         self._cancels: dict[int, list[int]] = {}
         self._send_wake = asyncio.Event()
@@ -246,6 +248,7 @@ class WorkerPool:
         for walk_id, (rank, sink) in list(self._walks.items()):
             if rank == state.rank:
                 del self._walks[walk_id]
+                self._walk_gone(walk_id)
                 sink.end({}, lost)
         state.restarts += 1
         try:
@@ -319,13 +322,19 @@ class WorkerPool:
                 entry[1].emit(port, value, iteration)
         for walk_id, persisted in message.ended:
             entry = walks.pop(walk_id, None)
+            self._walk_gone(walk_id)
             if entry is not None:
                 left = {PortRef.parse(k, role="walk output"): v for k, v in persisted.items()}
                 entry[1].end(left, None)
         for walk_id, error in message.errors.items():
             entry = walks.pop(walk_id, None)
+            self._walk_gone(walk_id)
             if entry is not None:
                 entry[1].end({}, error.to_exception())
+        for walk_id, port in message.fed:
+            waiter = self._feeds.pop((walk_id, port), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     # ------------------------------------------------------------------ hosted walks
 
@@ -364,6 +373,30 @@ class WorkerPool:
         self._send_wake.set()
         return RemoteWalk(self, rank, walk_id)
 
+    async def _walk_feed(self, rank: int, walk_id: int, port: str, items: Any) -> None:
+        if walk_id not in self._walks:
+            return  # ended: nobody reads the input any more
+        waiter = asyncio.get_running_loop().create_future()
+        self._feeds[(walk_id, port)] = waiter
+        self._starts.append((rank, FeedWalk(walk_id, port, items)))
+        self._send_wake.set()
+        try:
+            await waiter
+        finally:
+            self._feeds.pop((walk_id, port), None)
+
+    def _walk_end_input(self, rank: int, walk_id: int, port: str) -> None:
+        if walk_id in self._walks:
+            self._starts.append((rank, FeedWalk(walk_id, port, None, True)))
+            self._send_wake.set()
+
+    def _walk_gone(self, walk_id: int) -> None:
+        # Feeds waiting for room in a walk that has ended wait no more.
+        for key in [k for k in self._feeds if k[0] == walk_id]:
+            waiter = self._feeds.pop(key)
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _walk_credit(self, rank: int, walk_id: int, count: int) -> None:
         credits = self._credits.setdefault(rank, {})
         credits[walk_id] = credits.get(walk_id, 0) + count
@@ -389,7 +422,9 @@ class WorkerPool:
                 message = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
                 await self._send_walk_message(rank, message)
 
-    async def _send_walk_message(self, rank: int, message: StartWalk | WalkCredit) -> None:
+    async def _send_walk_message(
+        self, rank: int, message: StartWalk | FeedWalk | WalkCredit
+    ) -> None:
         state = self.ranks[rank]
         try:
             assert self._server is not None
@@ -530,3 +565,12 @@ class RemoteWalk:
     def cancel(self) -> None:
         """Ask the worker to stop the walk; its end arrives in a later message."""
         self.pool._walk_cancel(self.rank, self.walk_id)
+
+    async def feed(self, port: PortRef, items: Any) -> None:
+        """Send items of the streamed input ``port``; returns once the worker has room for
+        more (or the walk has ended). Cancel-safe."""
+        await self.pool._walk_feed(self.rank, self.walk_id, str(port), items)
+
+    def end_input(self, port: PortRef) -> None:
+        """The streamed input ``port`` has ended."""
+        self.pool._walk_end_input(self.rank, self.walk_id, str(port))

@@ -316,3 +316,20 @@ class LocalWalk:
         """Stop the walk now (its sink hears ``end`` before this returns)."""
         self.run.cancel()
         self.loop.kick()
+
+    async def feed(self, port: PortRef, items: Any) -> None:
+        """Items of the streamed input ``port``; returns once it has room for more (or the walk
+        has ended). Cancel-safe: the items were taken either way.
+
+        Raises:
+            KeyError: ``port`` is not a streamed input of the walk.
+        """
+        room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.run.feed(port, items, lambda: room.done() or room.set_result(None))
+        self.loop.kick()
+        await room
+
+    def end_input(self, port: PortRef) -> None:
+        """The streamed input ``port`` has ended."""
+        self.run.end_input(port)
+        self.loop.kick()

@@ -14,7 +14,7 @@ are unacknowledged at once; past that the walk waits until the reader acknowledg
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -81,7 +81,7 @@ class _Stream:
     """A streaming edge inside one worker: the policy's chunks in a deque of at most
     ``max_buffer``; ``send`` waits while it is full, ``receive`` while it is empty."""
 
-    __slots__ = ("chunks", "closed", "cond", "max_buffer", "policy", "reader_gone")
+    __slots__ = ("chunks", "closed", "cond", "max_buffer", "on_space", "policy", "reader_gone")
 
     def __init__(self, trampoline: Trampoline, policy: ChunkPolicy, max_buffer: int) -> None:
         self.policy = policy
@@ -90,6 +90,18 @@ class _Stream:
         self.cond = Condition(trampoline)
         self.closed = False
         self.reader_gone = False
+        self.on_space: list[Callable[[], None]] = []  # feeders from outside, waiting for room
+
+    @property
+    def full(self) -> bool:
+        return len(self.chunks) > self.max_buffer and not self.reader_gone
+
+    def space(self) -> None:
+        """Tell outside feeders waiting for room that there is some (or that nobody reads)."""
+        if self.on_space and not self.full:
+            waiting, self.on_space = self.on_space, []
+            for callback in waiting:
+                callback()
 
     async def send(self, items: Any) -> None:
         self._put(self.policy.push(items))
@@ -114,12 +126,15 @@ class _Stream:
                 return None
             await self.cond
         self.cond.notify_all()
-        return self.chunks.popleft()
+        chunk = self.chunks.popleft()
+        self.space()
+        return chunk
 
     def abandon(self) -> None:
         self.reader_gone = True
         self.chunks.clear()
         self.cond.notify_all()
+        self.space()
 
 
 class _Scope:
@@ -198,6 +213,11 @@ class WalkRun:
         self._credit = Condition(trampoline)
         self._outputs = {ref: str(ref) for ref in plan.outputs}
         self._names: dict[PortRef, str] = {}
+        self._fed = {
+            ref: _Stream(trampoline, policy.fresh(), plan.walk.max_buffer)
+            for ref, policy in plan.input_streams.items()
+        }
+        self._fed_by_node = {ref.node: ref for ref in self._fed}
         self.group = TaskGroup(trampoline, self._ended)
 
     @property
@@ -218,7 +238,36 @@ class WalkRun:
         self.unacked -= count
         self._credit.notify_all()
 
+    def feed(self, port: PortRef, items: Any, on_space: Callable[[], None]) -> None:
+        """Items of the streamed walk input ``port`` (a list, or a tensor whose dim 0 is the
+        item axis). ``on_space`` is called once the input's buffer has room for more: at
+        once, or when its node has taken chunks (or the walk has ended).
+
+        Raises:
+            KeyError: ``port`` is not a streamed input of this walk.
+            PolicyError: the input was already ended.
+        """
+        stream = self._fed[port]
+        if not self.ended:
+            stream._put(stream.policy.push(items))
+        if stream.full and not self.ended:
+            stream.on_space.append(on_space)
+        else:
+            on_space()
+
+    def end_input(self, port: PortRef) -> None:
+        """The streamed walk input ``port`` has ended; its node sees the last chunk. Idempotent.
+
+        Raises:
+            KeyError: ``port`` is not a streamed input of this walk.
+        """
+        stream = self._fed[port]
+        if not self.ended:
+            stream.close()
+
     def _ended(self, error: BaseException | None) -> None:
+        for stream in self._fed.values():
+            stream.abandon()
         self.sink.end(self.left if error is None else {}, error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -283,18 +332,26 @@ class WalkRun:
 
     async def _run_node(self, node: Node, scope: _Scope) -> None:
         streamed = self.plan.stream_input(node.name)
+        fed = self._fed_by_node.get(node.name)
         inputs: dict[str, Any] = {}
         for port in node.inputs:
             ref = PortRef(node.name, port)
-            if streamed is None or ref != streamed.dst:
+            if (streamed is None or ref != streamed.dst) and ref != fed:
                 inputs[port] = await self._resolve(ref, scope)
-        if streamed is None:
+        if fed is not None:
+            await self._fire_per_chunk(node, inputs, scope, fed.port, self._fed[fed])
+        elif streamed is None:
             await self._fire(node, inputs, scope)
-            return
-        stream = scope.owner(streamed.lca).streams[streamed]
+        else:
+            stream = scope.owner(streamed.lca).streams[streamed]
+            await self._fire_per_chunk(node, inputs, scope, streamed.dst.port, stream)
+
+    async def _fire_per_chunk(
+        self, node: Node, inputs: dict[str, Any], scope: _Scope, port: str, stream: _Stream
+    ) -> None:
         try:
             while (chunk := await stream.receive()) is not None:
-                await self._fire(node, {**inputs, streamed.dst.port: chunk}, scope)
+                await self._fire(node, {**inputs, port: chunk}, scope)
         finally:
             stream.abandon()
 

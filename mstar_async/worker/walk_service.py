@@ -15,6 +15,7 @@ from mstar_async.graph import Model, PortRef
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     ErrorInfo,
+    FeedWalk,
     Link,
     StartWalk,
     TensorRef,
@@ -57,29 +58,52 @@ class WalkService:
         self.events: list[Any] = []
         self._ended: list[Any] = []
         self._errors: dict[int, ErrorInfo] = {}
+        self._fed: list[tuple[int, str]] = []
+        # Walks whose inputs are still being fetched: what arrived for them meanwhile (feeds,
+        # or None for a cancel), applied in order once they start.
+        self._starting: dict[int, list[FeedWalk | None]] = {}
         self._wake = asyncio.Event()
 
     def wake(self) -> None:
         """Something is waiting in the outbox."""
         self._wake.set()
 
+    def begin(self, message: StartWalk) -> None:
+        """Note that walk ``message.id`` is starting (call in message order, before
+        ``start``), so feeds and cancels that arrive while its inputs are fetched wait."""
+        self._starting[message.id] = []
+
     async def start(self, message: StartWalk) -> None:
-        """Start the walk ``message`` names; a bad walk ends at once with its error.
-        Cancel-safe (nothing is started when cancelled while fetching inputs)."""
+        """Start the walk ``message`` names (after ``begin``); a bad walk ends at once with its
+        error. Cancel-safe (nothing is started when cancelled while fetching inputs)."""
         sink = _Sink(self, message.id)
         try:
             plan = self.model.plan(message.walk)
-            inputs = {PortRef.parse(k, role="walk input"): await self._local(v) for k, v in message.inputs.items()}
+            inputs = {
+                PortRef.parse(k, role="walk input"): await self._local(v)
+                for k, v in message.inputs.items()
+            }
             persisted = {
-                PortRef.parse(k, role="walk input"): await self._local(v) for k, v in message.persisted.items()
+                PortRef.parse(k, role="walk input"): await self._local(v)
+                for k, v in message.persisted.items()
             }
         except Exception as exc:
+            self._starting.pop(message.id, None)
             sink.end({}, exc)
             return
-        self.runs[message.id] = self.loop.start_walk(
+        except BaseException:
+            self._starting.pop(message.id, None)
+            raise
+        run = self.loop.start_walk(
             plan, message.request_id, inputs, message.params, persisted, sink,
             window=message.window,
         )
+        self.runs[message.id] = run
+        for early in self._starting.pop(message.id):
+            if early is None:
+                run.cancel()
+            else:
+                self.feed(early)
 
     async def _local(self, value: Any) -> Any:
         # A handle to a tensor another worker (or this one) holds: the walk needs the tensor.
@@ -94,10 +118,36 @@ class WalkService:
             if run is not None:
                 run.ack(count)
         for walk_id in message.cancel:
+            if walk_id in self._starting:
+                self._starting[walk_id].append(None)
             run = self.runs.get(walk_id)
             if run is not None:
                 run.cancel()
         self.loop.kick()
+
+    def feed(self, message: FeedWalk) -> None:
+        """Items (or the end) of a walk's streamed input; acknowledged once it has room."""
+        if message.id in self._starting:
+            self._starting[message.id].append(message)
+            return
+        run = self.runs.get(message.id)
+        if run is None:
+            self._acknowledge(message.id, message.port)  # the walk has ended: nothing waits
+            return
+        port = PortRef.parse(message.port, role="walk stream")
+        try:
+            if message.end:
+                run.end_input(port)
+                return
+            run.feed(port, message.items, lambda: self._acknowledge(message.id, message.port))
+        except Exception as exc:  # a bad feed fails its walk, not the worker
+            run.group.cancel(exc)
+        finally:
+            self.loop.kick()
+
+    def _acknowledge(self, walk_id: int, port: str) -> None:
+        self._fed.append((walk_id, port))
+        self.wake()
 
     def cancel_request(self, request_id: str) -> None:
         """Stop every walk of ``request_id`` still running here (its release has come)."""
@@ -118,8 +168,8 @@ class WalkService:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not (self.events or self._ended or self._errors):
+            if not (self.events or self._ended or self._errors or self._fed):
                 continue
-            message = WalkUpdates(self.events, self._ended, self._errors)
-            self.events, self._ended, self._errors = [], [], {}
+            message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
+            self.events, self._ended, self._errors, self._fed = [], [], {}, []
             await self.link.send(message)

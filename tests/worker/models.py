@@ -140,3 +140,27 @@ def build_handoff() -> Model:
     )
     model.source = ModelSource("tests.worker.models:build_handoff")
     return model
+
+
+def _sums(frames: list[Chunk]) -> dict[str, Any]:
+    return {"sum": [sum(chunk.new) for chunk in frames]}
+
+
+async def _listen(request: Any, frames: Any) -> AsyncGenerator[Any, None]:
+    async with request.stream("listen", frames=frames) as events:
+        async for event in events:
+            yield event.value
+
+
+def build_listener() -> Model:
+    """A walk whose input arrives as a stream: ``enc`` sums each chunk of 4 items."""
+    node = Node("enc", engine="e", op="sum", inputs=["frames"], outputs=["sum"])
+    model = Model(
+        "listener",
+        nodes=[node],
+        walks=[Walk("listen", "enc", streams={"enc.frames": FixedChunkPolicy(4)}, max_buffer=1)],
+        program=_listen,
+        components={"e": lambda: StatelessEngine({"sum": _sums})},
+    )
+    model.source = ModelSource("tests.worker.models:build_listener")
+    return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -15,6 +15,7 @@ from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 from mstar_async.worker.walk_run import OUTPUT_WINDOW
+from tests.worker.models import build_listener
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -78,8 +79,10 @@ async def _walks(pool: Any) -> int:
 
 async def test_slow_forwards_run_off_the_loop_thread_and_fast_ones_inline() -> None:
     loop_thread = threading.get_ident()
-    for forward_ms, inline_expected in ((0.0, True), (20.0, False)):
+    # Thresholds far from the forwards' times, so a loaded machine cannot flip the choice.
+    for forward_ms, bound_s, inline_expected in ((0.0, 1.0, True), (20.0, 0.002, False)):
         async with open_runtime(build_model("noop", forward_ms=forward_ms)) as runtime:
+            runtime.batching.inline_below_s = bound_s
             engine = runtime.batching.engines["noop"]
             threads: list[int] = []
             forward = engine.forward
@@ -108,3 +111,22 @@ async def test_leaving_a_request_frees_its_kv_and_leaves_no_walk(tiny_folder: Pa
         assert engine.blocks_in_use == 0
         assert runtime.batching.walks_running == 0
         assert not runtime.batching.scheduler.has_work
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_a_streamed_walk_input_reaches_a_worker_process_with_backpressure() -> None:
+    read: list[int] = []
+
+    async def frames(count: int) -> AsyncGenerator[list[int], None]:
+        for i in range(count):
+            read.append(i)
+            yield [i]
+
+    async with open_runtime(build_listener(), placement=Placement.single()) as runtime:
+        async with runtime.generate(frames=frames(10)) as outputs:
+            assert [s async for s in outputs] == [0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9]
+        async with runtime.generate(frames=frames(100_000)) as outputs:
+            await outputs.__anext__()
+            before = len(read)
+            await anyio.sleep(0.5)  # the source would be read to the end without backpressure
+            assert len(read) - before < 4 * (OUTPUT_WINDOW + 16 + 4)
