@@ -159,14 +159,10 @@ class Conductor:
         outbox = Outbox(self.output_buffer)
         stream = RequestStream(request_id, outbox)
         self.active[request_id] = stream
-        self._task_group.start_soon(
-            self._serve, stream, inputs, name=f"request {request_id}"
-        )
+        self._task_group.start_soon(self._serve, stream, inputs, name=f"request {request_id}")
         return stream
 
-    async def _serve(
-        self, stream: RequestStream, inputs: dict[str, Any]
-    ) -> None:
+    async def _serve(self, stream: RequestStream, inputs: dict[str, Any]) -> None:
         with structlog.contextvars.bound_contextvars(request_id=stream.request_id):
             log.debug("request.start", model=self.model.name)
             completed = False
@@ -198,9 +194,7 @@ class Conductor:
                     **stream.metrics.as_log(),
                 )
 
-    async def _run_program(
-        self, stream: RequestStream, inputs: dict[str, Any]
-    ) -> None:
+    async def _run_program(self, stream: RequestStream, inputs: dict[str, Any]) -> None:
         async with anyio.create_task_group() as walks:
             context = RequestContext(
                 stream.request_id,

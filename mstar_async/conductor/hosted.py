@@ -69,7 +69,7 @@ class WalkHost(Protocol):
 class WalkInbox:
     """The outputs of one hosted walk, waiting for the program (a ``WalkSink``)."""
 
-    __slots__ = ("ended", "error", "events", "persisted", "_waiter")
+    __slots__ = ("_waiter", "ended", "error", "events", "persisted")
 
     def __init__(self) -> None:
         self.events: deque[WalkEvent] = deque()
@@ -151,9 +151,7 @@ class HostedWalkStream:
         if self._control is None:
             persisted = self._request.persisted
             needed = {
-                src: persisted[src]
-                for src in self._plan.persisted_in.values()
-                if src in persisted
+                src: persisted[src] for src in self._plan.persisted_in.values() if src in persisted
             }
             streamed = self._plan.input_streams
             inputs = {ref: v for ref, v in self._inputs.items() if ref not in streamed}

@@ -238,7 +238,9 @@ def _input_streams(
                 "edge; a node consumes at most one stream"
             )
         if not isinstance(policy, ChunkPolicy):
-            raise GraphError(f"walk {walk.name!r}: stream {ref} needs a ChunkPolicy, got {policy!r}")
+            raise GraphError(
+                f"walk {walk.name!r}: stream {ref} needs a ChunkPolicy, got {policy!r}"
+            )
         streams[ref] = policy
     return streams
 

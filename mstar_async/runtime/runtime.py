@@ -15,9 +15,9 @@ from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
 from mstar_async.runtime.session import SpeechSession
-from mstar_async.worker.walk_loop import WalkLoop
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
+from mstar_async.worker.walk_loop import WalkLoop
 
 log = get_logger("mstar_async.runtime")
 

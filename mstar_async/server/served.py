@@ -15,7 +15,7 @@ from mstar_async.server.admission import Admission
 from mstar_async.server.errors import APIError
 
 if TYPE_CHECKING:
-    from mstar_async.worker import BatchingLoop
+    from mstar_async.worker.walk_loop import WalkLoop
 
 #: Requests one model serves at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT = 64
@@ -52,7 +52,7 @@ class ServedModel:
         params = list(inspect.signature(self.runtime.model.program).parameters)
         return params[1:]  # the first is the request context
 
-    def runtime_batching(self) -> BatchingLoop | None:
+    def runtime_batching(self) -> WalkLoop | None:
         """The in-process batching loop, or None when steps run in worker processes."""
         return self.runtime.batching if self.runtime.pool is None else None
 

@@ -20,8 +20,8 @@ import torch
 from mstar_async.graph import ModelSource
 from mstar_async.logs import configure_logging, get_logger
 from mstar_async.transport import (
-    FetchTensor,
     FeedWalk,
+    FetchTensor,
     Hello,
     Link,
     Peers,

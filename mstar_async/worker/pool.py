@@ -27,6 +27,7 @@ from mstar_async.errors import WorkerLost
 from mstar_async.graph import ModelSource, PortRef
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
+    FeedWalk,
     FetchTensor,
     Hello,
     Message,
@@ -36,10 +37,9 @@ from mstar_async.transport import (
     Release,
     Server,
     Shutdown,
+    StartWalk,
     StepCall,
     StepReply,
-    FeedWalk,
-    StartWalk,
     StepRequest,
     TensorRef,
     TensorReply,

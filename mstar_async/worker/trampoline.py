@@ -98,7 +98,7 @@ class TaskGroup:
     """The tasks of one walk: the first error fails them all; ``on_end`` runs once when the
     last task ends or the group is cancelled, with the error (``None`` when all went well)."""
 
-    __slots__ = ("error", "live", "on_end", "ended", "trampoline")
+    __slots__ = ("ended", "error", "live", "on_end", "trampoline")
 
     def __init__(
         self, trampoline: Trampoline, on_end: Callable[[BaseException | None], None]
@@ -185,6 +185,8 @@ class Trampoline:
             elif isinstance(command, StepRequest):
                 self.submit(task, command)
             else:
-                error = TypeError(f"walk coroutine awaited {command!r}, which the worker cannot run")
+                error = TypeError(
+                    f"walk coroutine awaited {command!r}, which the worker cannot run"
+                )
                 task.group._task_ended(task, error)
                 task.coro.close()

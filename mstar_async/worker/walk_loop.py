@@ -325,7 +325,7 @@ class LocalWalk:
             KeyError: ``port`` is not a streamed input of the walk.
         """
         room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.run.feed(port, items, lambda: room.done() or room.set_result(None))
+        self.run.feed(port, items, lambda: _settle(room, None))
         self.loop.kick()
         await room
 

@@ -95,7 +95,12 @@ class WalkService:
             self._starting.pop(message.id, None)
             raise
         run = self.loop.start_walk(
-            plan, message.request_id, inputs, message.params, persisted, sink,
+            plan,
+            message.request_id,
+            inputs,
+            message.params,
+            persisted,
+            sink,
             window=message.window,
         )
         self.runs[message.id] = run
@@ -154,7 +159,9 @@ class WalkService:
         for run in [r for r in self.runs.values() if r.request_id == request_id]:
             run.cancel()
 
-    def ended(self, walk_id: int, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
+    def ended(
+        self, walk_id: int, persisted: dict[PortRef, Any], error: BaseException | None
+    ) -> None:
         """A walk is over: its end goes out with the next message."""
         self.runs.pop(walk_id, None)
         if error is None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from mstar_async.errors import GraphError, RequestError
@@ -55,7 +56,7 @@ async def test_a_fast_source_is_held_back_by_a_reader_that_does_not_read() -> No
         async with runtime.generate(frames=frames(10_000, read)) as outputs:
             await outputs.__anext__()
             for _ in range(50):  # give the feeder every chance to run ahead
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             # The walk's output window (16), the request's buffer (16), one chunk in the input
             # buffer, one in the node and one in the feed: nothing near the whole source.
             assert len(read) < 60

@@ -4,8 +4,8 @@ this process and across processes; slow forwards leave the loop's thread, fast o
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
