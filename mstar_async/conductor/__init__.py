@@ -5,8 +5,14 @@ from __future__ import annotations
 from mstar_async.conductor.conductor import Conductor, RequestStream
 from mstar_async.conductor.executor import StepExecutor
 from mstar_async.conductor.metrics import RequestMetrics
-from mstar_async.conductor.request import RequestContext, WalkResult, WalkStream
-from mstar_async.conductor.walk_runner import WalkEvent
+from mstar_async.conductor.request import RequestContext, WalkResult
+from mstar_async.conductor.walk_stream import (
+    WalkControl,
+    WalkEvent,
+    WalkHost,
+    WalkRouter,
+    WalkStream,
+)
 
 __all__ = [
     "Conductor",
@@ -14,7 +20,10 @@ __all__ = [
     "RequestMetrics",
     "RequestStream",
     "StepExecutor",
+    "WalkControl",
     "WalkEvent",
+    "WalkHost",
     "WalkResult",
+    "WalkRouter",
     "WalkStream",
 ]

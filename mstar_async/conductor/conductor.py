@@ -14,10 +14,10 @@ import structlog
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
-from mstar_async.conductor.hosted import WalkHost
 from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.outbox import Outbox
 from mstar_async.conductor.request import RequestContext
+from mstar_async.conductor.walk_stream import WalkHost
 from mstar_async.errors import MstarError, RequestCancelled, RequestError
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
@@ -102,7 +102,8 @@ class RequestStream:
 
 
 class Conductor:
-    """Runs request programs of one model, sending their node steps to ``executor``.
+    """Runs request programs of one model: their walks run on ``walks`` (where their nodes
+    are), and ``executor`` releases a request's state when it ends.
 
     Use as ``async with Conductor(model, executor) as conductor:``; leaving the block cancels
     requests still running. Runs on the host's event loop (asyncio or uvloop), owning no loop.
@@ -113,8 +114,8 @@ class Conductor:
         model: Model,
         executor: StepExecutor,
         *,
+        walks: WalkHost,
         output_buffer: int = OUTPUT_BUFFER,
-        walks: WalkHost | None = None,
     ) -> None:
         self.model = model
         self.executor = executor

@@ -14,7 +14,7 @@ from mstar_async.placement import ReplicaRouter, ResolvedPlacement
 from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 
 if TYPE_CHECKING:
-    from mstar_async.conductor.hosted import WalkControl, WalkInbox
+    from mstar_async.conductor.walk_stream import WalkControl, WalkInbox
 
 
 class RankExecutor(Protocol):

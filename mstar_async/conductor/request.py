@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
-from types import TracebackType
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-import anyio
 from anyio.abc import TaskGroup
 
 from mstar_async.conductor.executor import StepExecutor
-from mstar_async.conductor.hosted import HostedWalkStream, WalkHost
 from mstar_async.conductor.metrics import RequestMetrics
-from mstar_async.conductor.walk_runner import WalkEvent, WalkRunner
+from mstar_async.conductor.walk_stream import WalkHost, WalkStream
 from mstar_async.errors import WalkInputError
 from mstar_async.graph import Model, PortRef, WalkPlan
-from mstar_async.streams import ChannelReceiver, ChannelSender, open_channel
-
-#: How many walk outputs may wait for the program before the walk is held back.
-WALK_OUTPUT_BUFFER = 16
 
 
 class _Closable(Protocol):
@@ -40,15 +33,15 @@ class RequestContext:
         executor: StepExecutor,
         task_group: TaskGroup,
         *,
+        walks: WalkHost,
         metrics: RequestMetrics | None = None,
-        walks: WalkHost | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.executor = executor
         self.walks = walks
-        #: Walks started on a ``WalkHost`` (cancelled when the request ends, however it ends).
-        self.hosted: list[HostedWalkStream] = []
+        #: The walks this request started (cancelled when it ends, however it ends).
+        self.walk_streams: list[WalkStream] = []
         self.metrics = metrics if metrics is not None else RequestMetrics(request_id)
         self.persisted: dict[PortRef, Any] = {}
         self._task_group = task_group
@@ -83,7 +76,7 @@ class RequestContext:
 
     def stream(
         self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any
-    ) -> WalkStream | HostedWalkStream:
+    ) -> WalkStream:
         """Start walk ``walk`` and iterate its outputs as they are made.
 
         ``inputs`` feed the walk's free input ports, by ``port`` (every free port of that name)
@@ -96,20 +89,16 @@ class RequestContext:
         """
         plan = self.model.plan(walk)
         bound, bound_params = _bind_inputs(plan, inputs), dict(params or {})
-        hosted = self.walks is not None and self.walks.hosts(self.request_id, plan)
-        _check_streams(plan, bound, hosted=hosted)
-        if hosted:
-            assert self.walks is not None
-            return HostedWalkStream(self, self.walks, plan, bound, bound_params)
-        return WalkStream(self, plan, bound, bound_params)
+        _check_streams(plan, bound)
+        return WalkStream(self, self.walks, plan, bound, bound_params)
 
     def start_soon(self, func: Any, *args: Any) -> None:
         """Run ``func(*args)`` in the request's task group (cancelled with the request)."""
         self._task_group.start_soon(func, *args)
 
     def cancel_walks(self) -> None:
-        """Stop every hosted walk of this request that still runs (no wait); idempotent."""
-        for walk in self.hosted:
+        """Stop every walk of this request that still runs (no wait); idempotent."""
+        for walk in self.walk_streams:
             walk.cancel()
 
     async def run(
@@ -130,8 +119,8 @@ class RequestContext:
         return WalkResult(last)
 
 
-def _check_streams(plan: WalkPlan, bound: Mapping[PortRef, Any], *, hosted: bool) -> None:
-    """Streamed walk inputs need an async iterable each, and a walk that runs on one rank."""
+def _check_streams(plan: WalkPlan, bound: Mapping[PortRef, Any]) -> None:
+    """Streamed walk inputs need an async iterable each."""
     for ref in plan.input_streams:
         if ref not in bound:
             raise WalkInputError(
@@ -143,11 +132,6 @@ def _check_streams(plan: WalkPlan, bound: Mapping[PortRef, Any], *, hosted: bool
                 f"walk {plan.walk.name!r}: input {ref} is a stream; pass an async iterable of "
                 f"items (lists, or tensors whose dim 0 is the item axis), got "
                 f"{type(bound[ref]).__name__}"
-            )
-        if not hosted:
-            raise WalkInputError(
-                f"walk {plan.walk.name!r} takes a streamed input but its nodes span ranks; "
-                "place the walk's nodes on one rank to stream inputs into it"
             )
 
 
@@ -193,101 +177,3 @@ class WalkResult(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._values)
-
-
-class WalkStream:
-    """The outputs of one running walk, as an async iterator of ``WalkEvent``s.
-
-    The walk starts on ``async with`` (or the first ``__anext__``) and runs in the request's
-    task group; ``aclose()`` stops it and waits until its channels are closed. An error inside
-    the walk fails the whole request.
-    """
-
-    def __init__(
-        self,
-        request: RequestContext,
-        plan: WalkPlan,
-        inputs: dict[PortRef, Any],
-        params: dict[str, Any],
-    ) -> None:
-        self._request = request
-        self._plan = plan
-        self._inputs = inputs
-        self._params = params
-        self._scope = anyio.CancelScope()
-        self._finished = anyio.Event()
-        self._receiver: ChannelReceiver[WalkEvent] | None = None
-        self._error: Exception | None = None
-
-    def _start(self) -> ChannelReceiver[WalkEvent]:
-        if self._receiver is None:
-            sender: ChannelSender[WalkEvent]
-            receiver: ChannelReceiver[WalkEvent]
-            sender, receiver = open_channel(WALK_OUTPUT_BUFFER, name=f"walk {self._plan.walk.name}")
-            self._request.track(sender, receiver)
-            runner = WalkRunner(self._plan, self._request, self._inputs, self._params, sender)
-            self._request._task_group.start_soon(self._run, runner, sender)
-            self._receiver = receiver
-        return self._receiver
-
-    async def _run(self, runner: WalkRunner, sender: ChannelSender[WalkEvent]) -> None:
-        try:
-            with self._scope:
-                async with sender:
-                    await runner.run()
-        except Exception as exc:  # handed to whoever reads the walk; cancellation passes through
-            self._error = exc
-        finally:
-            self._finished.set()
-
-    def _raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    async def __aenter__(self) -> WalkStream:
-        self._start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose(raise_error=exc is None)
-
-    def __aiter__(self) -> AsyncIterator[WalkEvent]:
-        return self
-
-    async def __anext__(self) -> WalkEvent:
-        """The next output of the walk.
-
-        Raises:
-            MstarError: the walk failed (a step's error, a missing input).
-        """
-        try:
-            return await self._start().receive()
-        except anyio.EndOfStream:
-            pass
-        await self._finished.wait()
-        self._raise_error()
-        raise StopAsyncIteration
-
-    async def aclose(self, *, raise_error: bool = True) -> None:
-        """Stop the walk if it still runs and wait until it has closed its channels.
-
-        Safe to call more than once and from a cancelled task (the wait is shielded; it lasts at
-        most until the step in flight returns).
-
-        Raises:
-            MstarError: the walk had failed and nobody has seen its error yet.
-        """
-        self._scope.cancel()
-        if self._receiver is None:
-            return
-        self._receiver.close()
-        with anyio.CancelScope(shield=True):
-            await self._finished.wait()
-        if raise_error:
-            self._raise_error()

@@ -11,6 +11,8 @@ import anyio
 from mstar_async.conductor import Conductor, RequestStream
 from mstar_async.conductor.conductor import unwrap
 from mstar_async.conductor.dispatch import PlacedExecutor
+from mstar_async.conductor.stepwise import StepwiseWalks
+from mstar_async.conductor.walk_stream import WalkRouter
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
@@ -170,6 +172,8 @@ async def _with_workers(
         model.source, engines_on, max_batch_tokens=max_batch_tokens, launcher=launcher
     ) as pool:
         executor = PlacedExecutor(resolved, pool)
-        async with Conductor(model, executor, walks=executor) as conductor:
-            yield Runtime(model, conductor, pool=pool)
+        async with StepwiseWalks(executor) as stepwise:
+            walks = WalkRouter(executor, stepwise)
+            async with Conductor(model, executor, walks=walks) as conductor:
+                yield Runtime(model, conductor, pool=pool)
     log.info("runtime.close", model=model.name)

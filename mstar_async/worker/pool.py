@@ -49,9 +49,9 @@ from mstar_async.transport import (
     ZmqHub,
     decode_message,
 )
+from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
-from mstar_async.worker.walk_run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")

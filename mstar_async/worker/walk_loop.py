@@ -29,9 +29,9 @@ from mstar_async.engines import Engine, Step
 from mstar_async.errors import EngineError, MstarError
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.transport import StepCall
+from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
+from mstar_async.walks.trampoline import StepRequest, Task, Trampoline
 from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
-from mstar_async.worker.trampoline import StepRequest, Task, Trampoline
-from mstar_async.worker.walk_run import OUTPUT_WINDOW, WalkRun, WalkSink
 
 #: Forwards measured faster than this run on the event loop's thread (a hop costs about this).
 INLINE_BELOW_S = 100e-6

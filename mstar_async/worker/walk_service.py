@@ -22,9 +22,9 @@ from mstar_async.transport import (
     WalkCredit,
     WalkUpdates,
 )
+from mstar_async.walks.run import WalkRun
 from mstar_async.worker.tensor_links import WorkerTensors
 from mstar_async.worker.walk_loop import WalkLoop
-from mstar_async.worker.walk_run import WalkRun
 
 log = get_logger("mstar_async.worker.walks")
 

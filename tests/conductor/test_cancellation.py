@@ -70,7 +70,7 @@ def _assert_all_closed(stream: Any, probe: Probe, runtime: Runtime) -> None:
     channels = stream.context.channels
     assert len(channels) >= 1  # the request's output
     assert all(end.closed for end in channels)
-    assert stream.context.hosted and all(walk.ended for walk in stream.context.hosted)
+    assert stream.context.walk_streams and all(walk.ended for walk in stream.context.walk_streams)
     assert runtime.batching.walks_running == 0
     assert probe.finalised
     assert probe.released == [stream.request_id]

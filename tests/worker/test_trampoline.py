@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mstar_async.worker.trampoline import (
+from mstar_async.walks.trampoline import (
     Condition,
     Flag,
     StepRequest,

@@ -14,7 +14,7 @@ import pytest
 from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
-from mstar_async.worker.walk_run import OUTPUT_WINDOW
+from mstar_async.walks.run import OUTPUT_WINDOW
 from tests.worker.models import build_listener
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -67,20 +67,41 @@ class StepRequest:
     """What a node coroutine awaits to run one step: the worker submits it to the engine
     named ``engine`` and resumes the coroutine with the step's outputs (or throws its error)."""
 
-    __slots__ = ("engine", "inputs", "node", "op", "request_id")
+    __slots__ = ("engine", "inputs", "node", "op", "request_id", "walk")
 
     def __init__(
-        self, request_id: str, engine: str, op: str, inputs: dict[str, Any], node: str
+        self,
+        request_id: str,
+        engine: str,
+        op: str,
+        inputs: dict[str, Any],
+        node: str,
+        walk: str = "",
     ) -> None:
         self.request_id = request_id
         self.engine = engine
         self.op = op
         self.inputs = inputs
         self.node = node
+        self.walk = walk
 
     def __await__(self) -> Generator[StepRequest, Any, dict[str, Any]]:
         outputs: dict[str, Any] = yield self
         return outputs
+
+
+class FetchRequest:
+    """What a walk coroutine awaits for the tensor behind a handle another process holds (a
+    step that ran on another rank left it there); resumed with the tensor or its error."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def __await__(self) -> Generator[FetchRequest, Any, Any]:
+        value = yield self
+        return value
 
 
 class Task:
@@ -142,19 +163,23 @@ class TaskGroup:
             self.on_end(None)
 
 
-#: Where a ``StepRequest`` goes: the worker's scheduler, which later calls ``Trampoline.wake``.
+#: Where a ``StepRequest`` (or a ``FetchRequest``) goes: whoever runs it later calls
+#: ``Trampoline.wake`` with the outcome.
 SubmitStep = Callable[[Task, StepRequest], None]
+Fetch = Callable[[Task, FetchRequest], None]
 
 
 class Trampoline:
     """Resumes ready tasks until every task waits on a condition or a step.
 
     ``submit`` receives each ``StepRequest`` with the task that made it; whoever runs the step
-    resumes the task with ``wake(task, outputs)`` or ``wake(task, exception)``.
+    resumes the task with ``wake(task, outputs)`` or ``wake(task, exception)``. ``fetch`` does
+    the same for ``FetchRequest``s (only where steps run in other processes).
     """
 
-    def __init__(self, submit: SubmitStep) -> None:
+    def __init__(self, submit: SubmitStep, fetch: Fetch | None = None) -> None:
         self.submit = submit
+        self.fetch = fetch
         self.ready: deque[tuple[Task, Any]] = deque()
 
     def wake(self, task: Task, value: Any) -> None:
@@ -184,6 +209,8 @@ class Trampoline:
                 command.waiters.append(task)
             elif isinstance(command, StepRequest):
                 self.submit(task, command)
+            elif isinstance(command, FetchRequest) and self.fetch is not None:
+                self.fetch(task, command)
             else:
                 error = TypeError(
                     f"walk coroutine awaited {command!r}, which the worker cannot run"

@@ -34,7 +34,15 @@ from mstar_async.graph import (
     WalkPlan,
 )
 from mstar_async.policies import Chunk, ChunkPolicy
-from mstar_async.worker.trampoline import Condition, Flag, StepRequest, TaskGroup, Trampoline
+from mstar_async.transport import TensorRef
+from mstar_async.walks.trampoline import (
+    Condition,
+    FetchRequest,
+    Flag,
+    StepRequest,
+    TaskGroup,
+    Trampoline,
+)
 
 #: How many outputs a walk may have in flight to its reader before it waits for credit.
 OUTPUT_WINDOW = 16
@@ -81,7 +89,16 @@ class _Stream:
     """A streaming edge inside one worker: the policy's chunks in a deque of at most
     ``max_buffer``; ``send`` waits while it is full, ``receive`` while it is empty."""
 
-    __slots__ = ("chunks", "closed", "cond", "max_buffer", "on_space", "policy", "reader_gone")
+    __slots__ = (
+        "chunks",
+        "closed",
+        "cond",
+        "max_buffer",
+        "on_space",
+        "peak",
+        "policy",
+        "reader_gone",
+    )
 
     def __init__(self, trampoline: Trampoline, policy: ChunkPolicy, max_buffer: int) -> None:
         self.policy = policy
@@ -91,6 +108,7 @@ class _Stream:
         self.closed = False
         self.reader_gone = False
         self.on_space: list[Callable[[], None]] = []  # feeders from outside, waiting for room
+        self.peak = 0  # most chunks held for the consumer at once (a producer's extra waits)
 
     @property
     def full(self) -> bool:
@@ -117,6 +135,7 @@ class _Stream:
     def _put(self, chunks: list[Chunk]) -> None:
         if chunks and not self.reader_gone:
             self.chunks.extend(chunks)
+            self.peak = max(self.peak, min(len(self.chunks), self.max_buffer))
             self.cond.notify_all()
 
     async def receive(self) -> Chunk | None:
@@ -209,10 +228,13 @@ class WalkRun:
         self.sink = sink
         self.window = window
         self.unacked = 0
+        #: The most chunks any of the walk's streaming edges held for its consumer at once.
+        self.peak_buffered = 0
         self.left: dict[PortRef, Any] = {}
         self._credit = Condition(trampoline)
         self._outputs = {ref: str(ref) for ref in plan.outputs}
         self._names: dict[PortRef, str] = {}
+        self._walk_name = plan.walk.name
         self._fed = {
             ref: _Stream(trampoline, policy.fresh(), plan.walk.max_buffer)
             for ref, policy in plan.input_streams.items()
@@ -278,7 +300,7 @@ class WalkRun:
         try:
             await self._run_block(self.plan.walk.body, top)
         finally:
-            _close_scope(top)
+            self._close_scope(top)
 
     async def _run_block(self, block: Block, scope: _Scope) -> None:
         if isinstance(block, NodeRef):
@@ -380,7 +402,9 @@ class WalkRun:
         )
 
     async def _fire(self, node: Node, inputs: dict[str, Any], scope: _Scope) -> None:
-        outputs = await StepRequest(self.request_id, node.engine, node.op, inputs, node.name)
+        outputs = await StepRequest(
+            self.request_id, node.engine, node.op, inputs, node.name, self._walk_name
+        )
         for port in node.outputs:
             if port not in outputs:
                 raise RequestError(
@@ -394,20 +418,23 @@ class WalkRun:
         while search is not None:
             search.last[ref] = value
             search = search.parent
+        seen = value  # a handle's tensor, where this process must look at it
         for edge in self.plan.out_edges.get(ref, ()):
             target = scope.owner(edge.lca)
             if edge.streaming:
-                await target.streams[edge].send(_as_items(value))
+                seen = await _see(seen)
+                await target.streams[edge].send(_as_items(seen))
             else:
                 target.cells[edge].set(value)
         if ref in self.plan.persisted_out:
             self.left[ref] = value
         name = self._outputs.get(ref)
         if name is not None:
+            seen = await _see(seen)
             while self.unacked >= self.window:
                 await self._credit
             self.unacked += 1
-            self.sink.emit(name, value, scope.iteration)
+            self.sink.emit(name, seen, scope.iteration)
 
     async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
         fixed: dict[PortRef, Any] = {}
@@ -443,20 +470,28 @@ class WalkRun:
             try:
                 await self._run_block(loop.body, inner)
             finally:
-                _close_scope(inner)
+                self._close_scope(inner)
             carried = _carry(loop, inner.last)
-            if dynamic and loop.until(LoopStep(iteration, self._named(inner.last), self.params)):  # type: ignore[union-attr]
+            if dynamic and loop.until(  # type: ignore[union-attr]
+                LoopStep(iteration, await self._named(inner.last), self.params)
+            ):
                 return
 
-    def _named(self, last: Mapping[PortRef, Any]) -> dict[str, Any]:
+    async def _named(self, last: Mapping[PortRef, Any]) -> dict[str, Any]:
         names = self._names
         named: dict[str, Any] = {}
         for ref, value in last.items():
             name = names.get(ref)
             if name is None:
                 name = names[ref] = str(ref)
-            named[name] = value
+            named[name] = await _see(value)
         return named
+
+    def _close_scope(self, scope: _Scope) -> None:
+        for stream in scope.streams.values():
+            self.peak_buffered = max(self.peak_buffered, stream.peak)
+            stream.abandon()
+            stream.closed = True
 
     def _iterations(self, loop: Loop | DynamicLoop) -> int:
         if isinstance(loop, DynamicLoop):
@@ -473,10 +508,12 @@ class WalkRun:
         return value
 
 
-def _close_scope(scope: _Scope) -> None:
-    for stream in scope.streams.values():
-        stream.abandon()
-        stream.closed = True
+async def _see(value: Any) -> Any:
+    """``value``, or the tensor behind it when it is a handle to a tensor another process
+    holds (where this walk must look at the value itself: a policy, ``until``, an output)."""
+    if isinstance(value, TensorRef):
+        return await FetchRequest(value)
+    return value
 
 
 def _carry(loop: Loop | DynamicLoop, last: Mapping[PortRef, Any]) -> dict[PortRef, Any]:

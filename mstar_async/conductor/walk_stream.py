@@ -1,9 +1,10 @@
-"""Walks that run where their nodes are: the conductor starts them and reads their outputs.
+"""A running walk as its request program sees it: an async iterator of ``WalkEvent``s.
 
-A ``WalkHost`` (a worker's batching loop in this process, or a worker process reached over
-ZeroMQ) runs a whole walk, loops included, and sends its outputs back; the conductor only
-starts the walk, hands the outputs to the request's program, and returns credit as the program
-reads them. ``HostedWalkStream`` has the same interface as the conductor-driven ``WalkStream``.
+A ``WalkHost`` runs the whole walk, loops included, where its nodes are (a worker's batching
+loop in this process or in a worker process, or, for a walk whose nodes span ranks, the
+conductor itself, sending each step to its rank) and sends its outputs back. The conductor only
+starts the walk, hands the outputs to the program, and returns credit as the program reads
+them, so a program that stops reading holds the walk back.
 """
 
 from __future__ import annotations
@@ -12,16 +13,25 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from mstar_async.conductor.walk_runner import WalkEvent
 from mstar_async.graph import PortRef, WalkPlan
 
 if TYPE_CHECKING:
     from mstar_async.conductor.request import RequestContext
+
+
+@dataclass(frozen=True, slots=True)
+class WalkEvent:
+    """One output of a walk as it is made: which port, its value, and the loop iteration."""
+
+    port: str
+    value: Any
+    iteration: int
 
 
 class WalkControl(Protocol):
@@ -116,9 +126,9 @@ class WalkInbox:
             self._waiter = None
 
 
-class HostedWalkStream:
+class WalkStream:
     """The outputs of one walk running on a ``WalkHost``, as an async iterator of
-    ``WalkEvent``s; the same interface as ``WalkStream``.
+    ``WalkEvent``s.
 
     The walk starts on ``async with`` (or the first ``__anext__``); ``aclose()`` stops it and
     waits until it has ended. An error inside the walk is raised to the reader.
@@ -155,7 +165,7 @@ class HostedWalkStream:
             }
             streamed = self._plan.input_streams
             inputs = {ref: v for ref, v in self._inputs.items() if ref not in streamed}
-            self._request.hosted.append(self)
+            self._request.walk_streams.append(self)
             control = self._host.open_walk(
                 self._request.request_id, self._plan, inputs, self._params, needed, self._inbox
             )
@@ -188,7 +198,7 @@ class HostedWalkStream:
         if self._control is not None and not self._inbox.ended:
             self._control.cancel()
 
-    async def __aenter__(self) -> HostedWalkStream:
+    async def __aenter__(self) -> WalkStream:
         self._start()
         return self
 
@@ -245,3 +255,31 @@ class HostedWalkStream:
             self._finish()
         else:
             self._error_seen = True
+
+
+class WalkRouter:
+    """A ``WalkHost`` that gives each walk to the first of ``hosts`` that takes it (the worker
+    holding all its nodes, else the conductor itself)."""
+
+    def __init__(self, *hosts: WalkHost) -> None:
+        self.hosts_in_order = hosts
+
+    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
+        """Whether any host takes ``plan``."""
+        return any(host.hosts(request_id, plan) for host in self.hosts_in_order)
+
+    def open_walk(
+        self,
+        request_id: str,
+        plan: WalkPlan,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkInbox,
+    ) -> WalkControl:
+        """Start the walk on the first host that takes it. Never raises for a walk that
+        ``hosts`` accepted: errors reach ``sink``."""
+        for host in self.hosts_in_order:
+            if host.hosts(request_id, plan):
+                return host.open_walk(request_id, plan, inputs, params, persisted, sink)
+        raise AssertionError(f"no host takes walk {plan.walk.name!r}")

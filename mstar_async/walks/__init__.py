@@ -1,0 +1,27 @@
+"""Walk execution: the interpreter that runs one walk of one request over its plan, as
+coroutines resumed by a trampoline. Workers run it over their own engines; the conductor runs
+it for walks whose nodes span ranks, sending each step to its rank."""
+
+from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
+from mstar_async.walks.trampoline import (
+    Condition,
+    FetchRequest,
+    Flag,
+    StepRequest,
+    Task,
+    TaskGroup,
+    Trampoline,
+)
+
+__all__ = [
+    "OUTPUT_WINDOW",
+    "Condition",
+    "FetchRequest",
+    "Flag",
+    "StepRequest",
+    "Task",
+    "TaskGroup",
+    "Trampoline",
+    "WalkRun",
+    "WalkSink",
+]
