@@ -4,7 +4,6 @@
     ├── GraphError            a model's graph or walks break a rule (raised when the model is built)
     ├── WalkInputError        a walk was called without an input it needs, or with an unknown one
     ├── PolicyError           a chunk policy was misused (push after close, mixed item kinds)
-    ├── ChannelError          a channel or streaming edge was used against its contract
     ├── SessionClosed         text was pushed to a speech session that takes no more input
     ├── EngineError           an engine could not run a step (bad op, bad shapes, missing outputs)
     │   └── KVCacheFull       the paged KV cache has no free block for a step
@@ -36,10 +35,6 @@ class WalkInputError(MstarError):
 
 class PolicyError(MstarError):
     """A chunk policy was used against its contract (push after close, mixed item kinds)."""
-
-
-class ChannelError(MstarError):
-    """A channel or streaming edge was used against its contract."""
 
 
 class SessionClosed(MstarError):

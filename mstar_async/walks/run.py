@@ -13,7 +13,6 @@ are unacknowledged at once; past that the walk waits until the reader acknowledg
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
@@ -33,8 +32,8 @@ from mstar_async.graph import (
     Sequential,
     WalkPlan,
 )
-from mstar_async.policies import Chunk, ChunkPolicy
 from mstar_async.transport import TensorRef
+from mstar_async.walks.edge import StreamEdge
 from mstar_async.walks.trampoline import (
     Condition,
     FetchRequest,
@@ -85,77 +84,6 @@ class _Cell:
         return self.value
 
 
-class _Stream:
-    """A streaming edge inside one worker: the policy's chunks in a deque of at most
-    ``max_buffer``; ``send`` waits while it is full, ``receive`` while it is empty."""
-
-    __slots__ = (
-        "chunks",
-        "closed",
-        "cond",
-        "max_buffer",
-        "on_space",
-        "peak",
-        "policy",
-        "reader_gone",
-    )
-
-    def __init__(self, trampoline: Trampoline, policy: ChunkPolicy, max_buffer: int) -> None:
-        self.policy = policy
-        self.max_buffer = max_buffer
-        self.chunks: deque[Chunk] = deque()
-        self.cond = Condition(trampoline)
-        self.closed = False
-        self.reader_gone = False
-        self.on_space: list[Callable[[], None]] = []  # feeders from outside, waiting for room
-        self.peak = 0  # most chunks held for the consumer at once (a producer's extra waits)
-
-    @property
-    def full(self) -> bool:
-        return len(self.chunks) > self.max_buffer and not self.reader_gone
-
-    def space(self) -> None:
-        """Tell outside feeders waiting for room that there is some (or that nobody reads)."""
-        if self.on_space and not self.full:
-            waiting, self.on_space = self.on_space, []
-            for callback in waiting:
-                callback()
-
-    async def send(self, items: Any) -> None:
-        self._put(self.policy.push(items))
-        while len(self.chunks) > self.max_buffer and not self.reader_gone:
-            await self.cond
-
-    def close(self) -> None:
-        if not self.closed:
-            self._put(self.policy.close())
-            self.closed = True
-            self.cond.notify_all()
-
-    def _put(self, chunks: list[Chunk]) -> None:
-        if chunks and not self.reader_gone:
-            self.chunks.extend(chunks)
-            self.peak = max(self.peak, min(len(self.chunks), self.max_buffer))
-            self.cond.notify_all()
-
-    async def receive(self) -> Chunk | None:
-        """The next chunk, or ``None`` once the stream has ended and drained."""
-        while not self.chunks:
-            if self.closed:
-                return None
-            await self.cond
-        self.cond.notify_all()
-        chunk = self.chunks.popleft()
-        self.space()
-        return chunk
-
-    def abandon(self) -> None:
-        self.reader_gone = True
-        self.chunks.clear()
-        self.cond.notify_all()
-        self.space()
-
-
 class _Scope:
     """The walk's top level, or one iteration of a loop."""
 
@@ -175,11 +103,11 @@ class _Scope:
         self.iteration = iteration
         self.last: dict[PortRef, Any] = {}
         self.cells: dict[EdgePlan, _Cell] = {}
-        self.streams: dict[EdgePlan, _Stream] = {}
+        self.streams: dict[EdgePlan, StreamEdge] = {}
         for edge in run.plan.scope_edges.get(loop, ()):
             if edge.streaming:
                 assert edge.edge.policy is not None
-                self.streams[edge] = _Stream(
+                self.streams[edge] = StreamEdge(
                     run.trampoline, edge.edge.policy.fresh(), edge.edge.max_buffer
                 )
             else:
@@ -236,7 +164,7 @@ class WalkRun:
         self._names: dict[PortRef, str] = {}
         self._walk_name = plan.walk.name
         self._fed = {
-            ref: _Stream(trampoline, policy.fresh(), plan.walk.max_buffer)
+            ref: StreamEdge(trampoline, policy.fresh(), plan.walk.max_buffer)
             for ref, policy in plan.input_streams.items()
         }
         self._fed_by_node = {ref.node: ref for ref in self._fed}
@@ -369,7 +297,7 @@ class WalkRun:
             await self._fire_per_chunk(node, inputs, scope, streamed.dst.port, stream)
 
     async def _fire_per_chunk(
-        self, node: Node, inputs: dict[str, Any], scope: _Scope, port: str, stream: _Stream
+        self, node: Node, inputs: dict[str, Any], scope: _Scope, port: str, stream: StreamEdge
     ) -> None:
         try:
             while (chunk := await stream.receive()) is not None:
@@ -438,7 +366,7 @@ class WalkRun:
 
     async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
         fixed: dict[PortRef, Any] = {}
-        streams: dict[PortRef, _Stream] = {}
+        streams: dict[PortRef, StreamEdge] = {}
         for edge in self.plan.loop_imports.get(loop, ()):
             if edge.streaming:
                 streams[edge.dst] = scope.streams[edge]
@@ -455,7 +383,7 @@ class WalkRun:
         loop: Loop | DynamicLoop,
         scope: _Scope,
         fixed: dict[PortRef, Any],
-        streams: dict[PortRef, _Stream],
+        streams: dict[PortRef, StreamEdge],
     ) -> None:
         carried: dict[PortRef, Any] = {}
         dynamic = isinstance(loop, DynamicLoop)
