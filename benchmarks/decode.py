@@ -2,12 +2,21 @@
 
 Workload (the defaults): SmolLM2-135M-Instruct, bfloat16 and float32, prompts of exactly 64
 tokens, 128 new tokens per request with EOS ignored (so every request makes exactly 128),
-greedy, at 1, 8 and 32 concurrent requests. Three systems run on the same weights:
+greedy, at 1, 8 and 32 concurrent requests. Four systems run on the same weights:
 
-- ``runtime``: the ``causal-lm`` model served by ``open_runtime``; N tasks each run
-  ``runtime.generate(...)`` at once on the caller's event loop (uvloop under the CLI).
-  Throughput is all generated tokens over the wall time from the first submit to the last
-  output. The engine is wrapped in a counter so generated tokens are counted, not assumed.
+- ``runtime``: the ``causal-lm`` model served by ``open_runtime`` in this process; N tasks
+  each run ``runtime.generate(...)`` at once on the caller's event loop (uvloop under the
+  CLI). Throughput is all generated tokens over the wall time from the first submit to the
+  last output. The engine is wrapped in a counter so generated tokens are counted, not
+  assumed.
+- ``one-worker``: the same model, prompts and token counts, served by
+  ``open_runtime(model, placement=Placement.single())``: the engine and its batching loop run
+  in one worker process, the conductor (request programs, detokenizer) in this one, steps
+  crossing over ZeroMQ IPC. There is no engine here to wrap, so generated tokens are counted
+  from the program's outputs: each request's ``completion_tokens`` (its closing ``TextEnd``,
+  as ``RequestStream.metrics`` records it). The worker rank runs torch with as many threads
+  as torch has in this process (the other systems' count), so the two runtimes compute their
+  forwards alike; this process keeps its threads too, and the two processes share the cores.
 - ``transformers``: ``AutoModelForCausalLM.generate`` (greedy, ``min_new_tokens`` =
   ``max_new_tokens``), one request after another. Sequential requests all run at one rate,
   so unless every request is measured (``--full``) a few are, and tokens/s is their rate
@@ -16,16 +25,16 @@ greedy, at 1, 8 and 32 concurrent requests. Three systems run on the same weight
   steps, then ``new_tokens - 1`` forwards of N decode steps. No graph, no scheduling, no
   detokenizer: the floor the runtime's overhead is measured against.
 
-Both baselines compute on a worker thread, as the runtime's engine does.
+Both baselines compute on a worker thread, as the in-process runtime's engine does.
 
 Noise control: each system is warmed up at every concurrency first; then, per concurrency,
-the systems run one at a time in alternating order (runtime, handloop, transformers; then
-transformers, handloop, runtime; ...), one pass per repetition.
+the systems run one at a time in alternating order (one-worker, runtime, handloop,
+transformers; then the reverse; ...), one pass per repetition.
 Ratios are taken within a repetition (back-to-back measurements) and then summarised by
 median, min and max. Every measurement records how many cores other processes kept busy
-meanwhile; a repetition disturbed by more than ``max_foreign_cores`` is measured again (on 2
-cores a competing process slows 2-thread torch by up to 10x, so such figures would describe
-the neighbour, not us).
+meanwhile (the worker process of ``one-worker`` counts as its own); a repetition disturbed by
+more than ``max_foreign_cores`` is measured again (on 2 cores a competing process slows
+2-thread torch by up to 10x, so such figures would describe the neighbour, not us).
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +57,7 @@ import anyio
 import torch
 
 from benchmarks.common import (
+    CpuSample,
     ProgressLog,
     cpu_sample,
     foreign_cores,
@@ -60,6 +71,7 @@ from mstar_async.engines.kv import bytes_per_block
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import MstarError
+from mstar_async.models import build_model
 from mstar_async.models.causal_lm import (
     DEFAULT_KV_CACHE_BYTES,
     build_causal_lm,
@@ -67,7 +79,10 @@ from mstar_async.models.causal_lm import (
 )
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.outputs import TextDelta
+from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.worker.launchers import LocalLauncher, WorkerHandle
+from mstar_async.worker.main import WorkerConfig
 
 __all__ = [
     "AIMS",
@@ -91,12 +106,13 @@ __all__ = [
 Progress = Callable[[str], None]
 
 #: The systems, in the order of the first repetition (later repetitions reverse it). The
-#: runtime and the hand loop are adjacent either way: their ratio is the finer one (0.9x aim),
-#: so their measurements are the ones kept back to back.
-SYSTEMS = ("runtime", "handloop", "transformers")
+#: in-process runtime sits between the one-worker runtime and the hand loop either way: its
+#: ratios to those two are the finer ones (0.9x aims), so those measurements are the ones kept
+#: back to back.
+SYSTEMS = ("one-worker", "runtime", "handloop", "transformers")
 
 #: The ratios reported for every (dtype, concurrency): numerator system / denominator system.
-RATIOS = (("runtime", "transformers"), ("runtime", "handloop"))
+RATIOS = (("runtime", "transformers"), ("runtime", "handloop"), ("one-worker", "runtime"))
 
 #: The dtypes measured, by the names ``causal-lm`` takes.
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -129,6 +145,7 @@ AIMS = (
     Aim("runtime/transformers", 32, 10.0),
     Aim("runtime/handloop", 32, 0.9),
     Aim("runtime/transformers", 1, 1.5),
+    Aim("one-worker/runtime", 32, 0.9),
 )
 
 
@@ -378,12 +395,85 @@ class _CountingEngine:
         return getattr(self.inner, name)
 
 
+@dataclass
+class _Requests:
+    """What the client saw of N concurrent requests: when they were submitted, when each
+    ``TextDelta`` arrived, and the ``completion_tokens`` each request's program reported."""
+
+    started: float
+    stamps: list[list[float]]
+    completion_tokens: list[int | None]
+
+    def measurement(
+        self,
+        system: str,
+        tokens: int,
+        new_tokens: int,
+        forwards: int | None = None,
+        engine_seconds: float | None = None,
+    ) -> Measurement:
+        """A measurement of ``tokens`` generated, timed from the first submit to the last
+        text output, with the requests' median TTFT and ITL."""
+        stamps = self.stamps
+        finished = max((s[-1] for s in stamps if s), default=time.perf_counter())
+        gaps = [b - a for s in stamps for a, b in itertools.pairwise(s)]
+        first = [s[0] - self.started for s in stamps if s]
+        return Measurement(
+            system,
+            requests=len(stamps),
+            timed_requests=len(stamps),
+            tokens=tokens,
+            expected_tokens=len(stamps) * new_tokens,
+            seconds=finished - self.started,
+            ttft_ms=None if not first else 1000 * summarize(first).median,
+            itl_ms=None if not gaps else 1000 * summarize(gaps).median,
+            forwards=forwards,
+            engine_seconds=engine_seconds,
+        )
+
+
+async def _run_requests(
+    runtime: Runtime, ids: Sequence[str], prompts: Sequence[Prompt], new_tokens: int
+) -> _Requests:
+    """Run one request per prompt at once, each from its own task, and read every output.
+
+    Raises:
+        RequestError: a request failed.
+    """
+    requests = _Requests(0.0, [[] for _ in prompts], [None] * len(prompts))
+
+    async def one(index: int) -> None:
+        async with runtime.generate(
+            request_id=ids[index],
+            prompt=prompts[index].text,
+            max_tokens=new_tokens,
+            temperature=0.0,
+            chat=False,
+            ignore_eos=True,
+        ) as outputs:
+            async for item in outputs:
+                if isinstance(item, TextDelta):  # not the closing TextEnd
+                    requests.stamps[index].append(time.perf_counter())
+        requests.completion_tokens[index] = outputs.metrics.completion_tokens
+
+    requests.started = time.perf_counter()
+    async with anyio.create_task_group() as tasks:
+        for index in range(len(prompts)):
+            tasks.start_soon(one, index)
+    return requests
+
+
 class _RuntimeSystem:
     """``causal-lm`` served by an open runtime; requests come from concurrent tasks."""
 
     name = "runtime"
 
     def __init__(self, runtime: Runtime) -> None:
+        """Wrap the runtime's engine in a counter.
+
+        Raises:
+            BenchmarkError: the runtime has not exactly one engine in this process.
+        """
         self.runtime = runtime
         engines = runtime.batching.engines
         if len(engines) != 1:
@@ -395,44 +485,83 @@ class _RuntimeSystem:
         self._serial = 0
 
     async def measure(self, prompts: Sequence[Prompt], new_tokens: int) -> Measurement:
+        """Run one request per prompt at once; tokens are those the engine sampled.
+
+        Raises:
+            RequestError: a request failed.
+        """
         self._serial += 1
         ids = [f"runtime-{self._serial}-{i}" for i in range(len(prompts))]
-        stamps: list[list[float]] = [[] for _ in prompts]
         self.counter.forwards, self.counter.seconds = 0, 0.0
-
-        async def one(index: int) -> None:
-            async with self.runtime.generate(
-                request_id=ids[index],
-                prompt=prompts[index].text,
-                max_tokens=new_tokens,
-                temperature=0.0,
-                chat=False,
-                ignore_eos=True,
-            ) as outputs:
-                async for item in outputs:
-                    if isinstance(item, TextDelta):  # not the closing TextEnd
-                        stamps[index].append(time.perf_counter())
-
-        started = time.perf_counter()
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(prompts)):
-                tasks.start_soon(one, index)
-        finished = max((s[-1] for s in stamps if s), default=time.perf_counter())
+        requests = await _run_requests(self.runtime, ids, prompts, new_tokens)
         tokens = sum(self.counter.tokens.pop(rid, 0) for rid in ids)
-        gaps = [b - a for s in stamps for a, b in itertools.pairwise(s)]
-        first = [s[0] - started for s in stamps if s]
-        return Measurement(
-            self.name,
-            requests=len(prompts),
-            timed_requests=len(prompts),
-            tokens=tokens,
-            expected_tokens=len(prompts) * new_tokens,
-            seconds=finished - started,
-            ttft_ms=None if not first else 1000 * summarize(first).median,
-            itl_ms=None if not gaps else 1000 * summarize(gaps).median,
-            forwards=self.counter.forwards,
-            engine_seconds=self.counter.seconds,
+        return requests.measurement(
+            self.name, tokens, new_tokens, self.counter.forwards, self.counter.seconds
         )
+
+
+class _OneWorkerSystem:
+    """``causal-lm`` served by a runtime whose engine runs in one worker process; requests
+    come from concurrent tasks of this process, which runs the conductor."""
+
+    name = "one-worker"
+
+    def __init__(self, runtime: Runtime) -> None:
+        """Serve requests through ``runtime``.
+
+        Raises:
+            BenchmarkError: the runtime does not run its engine in exactly one worker process.
+        """
+        if runtime.pool is None or len(runtime.pool.ranks) != 1:
+            raise BenchmarkError("the one-worker system needs a runtime with one worker rank")
+        self.runtime = runtime
+        self.pool = runtime.pool
+        self._serial = 0
+
+    def worker_pids(self) -> list[int]:
+        """The worker process's id (none while it restarts), for CPU accounting."""
+        pids = (self.pool.pid(rank) for rank in self.pool.ranks)
+        return [pid for pid in pids if pid is not None]
+
+    async def measure(self, prompts: Sequence[Prompt], new_tokens: int) -> Measurement:
+        """Run one request per prompt at once; tokens are the ``completion_tokens`` each
+        request's program reported (a request that reported none counts 0).
+
+        Raises:
+            RequestError: a request failed (e.g. its worker died).
+        """
+        self._serial += 1
+        ids = [f"one-worker-{self._serial}-{i}" for i in range(len(prompts))]
+        requests = await _run_requests(self.runtime, ids, prompts, new_tokens)
+        tokens = sum(count or 0 for count in requests.completion_tokens)
+        return requests.measurement(self.name, tokens, new_tokens)
+
+
+class _ThreadsLauncher:
+    """Starts each worker as ``LocalLauncher`` does (a child process over IPC), with
+    ``threads`` torch threads: ``open_runtime`` takes no thread count, and its ``WorkerPool``
+    would give a lone worker only the cores left after counting this process as a
+    participant (1 of 2), not the count torch has in this process."""
+
+    def __init__(self, threads: int) -> None:
+        self.inner = LocalLauncher()
+        self.threads = threads
+
+    async def open(self) -> str | None:
+        """``LocalLauncher.open``: None (IPC). Never raises."""
+        return await self.inner.open()
+
+    async def start(self, config: WorkerConfig) -> WorkerHandle:
+        """Start the worker ``config`` describes, with ``threads`` torch threads.
+
+        Raises:
+            OSError: the process could not be started.
+        """
+        return await self.inner.start(replace(config, threads=self.threads))
+
+    async def aclose(self) -> None:
+        """``LocalLauncher.aclose``. Never raises."""
+        await self.inner.aclose()
 
 
 class _HandLoopSystem:
@@ -630,16 +759,27 @@ def check_tokens(measurement: Measurement) -> Measurement:
     return measurement
 
 
+_System = _RuntimeSystem | _OneWorkerSystem | _HandLoopSystem | _TransformersSystem
+
+
 async def _measure(
-    system: _RuntimeSystem | _HandLoopSystem | _TransformersSystem,
+    system: _System,
     prompts: Sequence[Prompt],
     new_tokens: int,
     transformers_requests: int | None,
 ) -> Measurement:
+    """One measurement of ``system``, with the cores other processes used meanwhile.
+
+    Raises:
+        BenchmarkError: the system generated the wrong number of tokens.
+        RequestError: a runtime request failed.
+    """
     # Collect garbage first so a collection of the previous run's objects is not timed here.
     gc.collect()
-    before = cpu_sample()
-    if isinstance(system, _RuntimeSystem):
+    # The one-worker system's worker process computes for it: its CPU time is not foreign.
+    children = system.worker_pids() if isinstance(system, _OneWorkerSystem) else []
+    before: CpuSample = cpu_sample(children)
+    if isinstance(system, _RuntimeSystem | _OneWorkerSystem):
         measurement = await system.measure(prompts, new_tokens)
     elif isinstance(system, _TransformersSystem):
         # The baselines compute on a worker thread, as the runtime's engine does, so every
@@ -648,18 +788,24 @@ async def _measure(
         measurement = await anyio.to_thread.run_sync(run)
     else:
         measurement = await anyio.to_thread.run_sync(system.measure, prompts, new_tokens)
-    measurement.foreign_cores = foreign_cores(before, cpu_sample())
+    measurement.foreign_cores = foreign_cores(before, cpu_sample(children))
     return check_tokens(measurement)
 
 
 async def _repetition(
     config: DecodeConfig,
-    systems: dict[str, _RuntimeSystem | _HandLoopSystem | _TransformersSystem],
+    systems: dict[str, _System],
     prompts: Sequence[Prompt],
     order: Sequence[str],
     label: str,
     progress: Progress,
 ) -> dict[str, Measurement]:
+    """Measure every system once, in ``order``.
+
+    Raises:
+        BenchmarkError: a system generated the wrong number of tokens.
+        RequestError: a runtime request failed.
+    """
     measured: dict[str, Measurement] = {}
     for name in order:
         m = await _measure(systems[name], prompts, config.new_tokens, config.transformers_requests)
@@ -672,9 +818,18 @@ async def _repetition(
     return measured
 
 
-async def _run_dtype(
-    config: DecodeConfig, folder: Path, dtype: str, prompts: list[Prompt], progress: Progress
-) -> list[_Configuration]:
+@asynccontextmanager
+async def _open_systems(
+    config: DecodeConfig, folder: Path, dtype: str, threads: int, progress: Progress
+) -> AsyncIterator[dict[str, _System]]:
+    """Every system for ``dtype``, both runtimes open until the block exits; the one-worker
+    runtime's worker runs ``threads`` torch threads.
+
+    Raises:
+        BenchmarkError: the KV cache cannot be sized, or a runtime has an unexpected shape.
+        CheckpointError: the checkpoint folder is unusable.
+        PlacementError, WorkerLost: the one-worker runtime failed to start.
+    """
     tokenizer = ChatTokenizer.from_folder(folder)
     kv_bytes = kv_cache_bytes_for(
         folder, dtype, max(config.concurrency), config.prompt_tokens + config.new_tokens
@@ -694,44 +849,106 @@ async def _run_dtype(
         compile=False,
     )
     hand = _HandLoopSystem(await anyio.to_thread.run_sync(build))
-    progress(f"{dtype}: opening the runtime")
-    model = build_causal_lm(folder, dtype=dtype, kv_cache_bytes=kv_bytes)
-    configurations: list[_Configuration] = []
-    async with open_runtime(model) as runtime:
-        systems: dict[str, _RuntimeSystem | _HandLoopSystem | _TransformersSystem] = {
+    async with AsyncExitStack() as stack:
+        progress(f"{dtype}: opening the runtime")
+        model = build_causal_lm(folder, dtype=dtype, kv_cache_bytes=kv_bytes)
+        runtime = await stack.enter_async_context(open_runtime(model))
+        progress(f"{dtype}: opening the runtime with one worker process ({threads} threads)")
+        # From the zoo, so the worker process can rebuild the same model from its source.
+        remote = build_model("causal-lm", path=str(folder), dtype=dtype, kv_cache_bytes=kv_bytes)
+        worker = await stack.enter_async_context(
+            open_runtime(remote, placement=Placement.single(), launcher=_ThreadsLauncher(threads))
+        )
+        yield {
+            "one-worker": _OneWorkerSystem(worker),
             "runtime": _RuntimeSystem(runtime),
-            "transformers": transformers_system,
             "handloop": hand,
+            "transformers": transformers_system,
         }
-        warm = min(config.warmup_tokens, config.new_tokens)
-        for name, system in systems.items():
-            progress(f"{dtype}: warming up {name}")
-            # The transformers baseline runs one request at a time: one warm-up is enough.
-            levels = (1,) if name == "transformers" else config.concurrency
-            for n in levels:
-                await _measure(system, prompts[:n], warm, None)
+
+
+async def _warm_up(
+    config: DecodeConfig,
+    systems: dict[str, _System],
+    prompts: Sequence[Prompt],
+    dtype: str,
+    progress: Progress,
+) -> None:
+    """Run every system at every concurrency (transformers: once) on short requests.
+
+    Raises:
+        BenchmarkError: a system generated the wrong number of tokens.
+        RequestError: a runtime request failed.
+    """
+    warm = min(config.warmup_tokens, config.new_tokens)
+    for name, system in systems.items():
+        progress(f"{dtype}: warming up {name}")
+        # The transformers baseline runs one request at a time: one warm-up is enough.
+        levels = (1,) if name == "transformers" else config.concurrency
+        for n in levels:
+            await _measure(system, prompts[:n], warm, None)
+
+
+async def _run_concurrency(
+    config: DecodeConfig,
+    systems: dict[str, _System],
+    prompts: Sequence[Prompt],
+    dtype: str,
+    progress: Progress,
+) -> _Configuration:
+    """Every repetition of every system at N = ``len(prompts)``, contaminated repetitions
+    measured again up to ``config.retries`` times.
+
+    Raises:
+        BenchmarkError: a system generated the wrong number of tokens.
+        RequestError: a runtime request failed.
+    """
+    n = len(prompts)
+    entry = _Configuration(dtype, n, limit=config.max_foreign_cores)
+    for rep in range(config.repeat):
+        order = SYSTEMS if rep % 2 == 0 else tuple(reversed(SYSTEMS))
+        label = f"{dtype} N={n} repetition {rep + 1}/{config.repeat}"
+        for attempt in range(config.retries + 1):
+            measured = await _repetition(config, systems, prompts, order, label, progress)
+            load = _contamination(measured)
+            if load <= config.max_foreign_cores or attempt == config.retries:
+                break
+            # Another process competed for the 2 cores: these figures say more about it than
+            # about us, so the whole repetition (all systems) runs again.
+            entry.discarded += 1
+            progress(
+                f"{label}: other processes used up to {load:.2f} cores "
+                f"(> {config.max_foreign_cores}); measuring it again"
+            )
+        entry.rounds.append(measured)
+    return entry
+
+
+async def _run_dtype(
+    config: DecodeConfig,
+    folder: Path,
+    dtype: str,
+    prompts: list[Prompt],
+    threads: int,
+    progress: Progress,
+) -> list[_Configuration]:
+    """Every configuration of ``dtype``.
+
+    Raises:
+        BenchmarkError: a system generated the wrong number of tokens, or the KV cache cannot
+            be sized.
+        CheckpointError: the checkpoint folder is unusable.
+        PlacementError, WorkerLost: the one-worker runtime failed to start.
+        RequestError: a runtime request failed.
+    """
+    configurations: list[_Configuration] = []
+    async with _open_systems(config, folder, dtype, threads, progress) as systems:
+        await _warm_up(config, systems, prompts, dtype, progress)
         for n in config.concurrency:
-            entry = _Configuration(dtype, n, limit=config.max_foreign_cores)
-            for rep in range(config.repeat):
-                order = SYSTEMS if rep % 2 == 0 else tuple(reversed(SYSTEMS))
-                label = f"{dtype} N={n} repetition {rep + 1}/{config.repeat}"
-                for attempt in range(config.retries + 1):
-                    measured = await _repetition(
-                        config, systems, prompts[:n], order, label, progress
-                    )
-                    load = _contamination(measured)
-                    if load <= config.max_foreign_cores or attempt == config.retries:
-                        break
-                    # Another process competed for the 2 cores: these figures say more about
-                    # it than about us, so the whole repetition (all systems) runs again.
-                    entry.discarded += 1
-                    progress(
-                        f"{label}: other processes used up to {load:.2f} cores "
-                        f"(> {config.max_foreign_cores}); measuring it again"
-                    )
-                entry.rounds.append(measured)
-            configurations.append(entry)
-    del systems, hand, transformers_system
+            configurations.append(
+                await _run_concurrency(config, systems, prompts[:n], dtype, progress)
+            )
+    del systems  # the engines and models, before the next dtype loads its own
     gc.collect()
     return configurations
 
@@ -761,6 +978,8 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
     """Run the decode benchmark and return its report (a JSON-ready dict).
 
     Keys: ``benchmark``, ``model``, ``workload``, ``systems`` (name -> description),
+    ``torch_threads`` (system -> the torch threads of the process that runs its forwards, plus
+    ``one-worker conductor``: those of this process, which runs that system's conductor),
     ``machine``, ``results`` (one entry per dtype and concurrency: per-system tokens/s, TTFT
     and ITL summaries, per-repetition measurements, and the ratios), ``aims`` and
     ``seconds_total``.
@@ -769,6 +988,8 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
         BenchmarkError: a system generated the wrong number of tokens, or no prompt of the
             requested length can be built.
         CheckpointError: the checkpoint folder is unusable.
+        PlacementError, WorkerLost: the one-worker runtime failed to start.
+        RequestError: a runtime request failed.
     """
     started = time.perf_counter()
     folder = config.folder if config.folder is not None else smollm2_folder(progress=progress)
@@ -776,9 +997,12 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
     tokenizer = ChatTokenizer.from_folder(folder)
     prompts = build_prompts(tokenizer, max(config.concurrency), config.prompt_tokens)
     machine = machine_info()
+    # The in-process systems compute with torch's thread count of this process; the worker
+    # rank gets the same count, so every system's forwards run on as many threads.
+    threads = torch.get_num_threads()
     configurations: list[_Configuration] = []
     for dtype in config.dtypes:
-        configurations.extend(await _run_dtype(config, folder, dtype, prompts, progress))
+        configurations.extend(await _run_dtype(config, folder, dtype, prompts, threads, progress))
     results = [c.to_json() for c in configurations]
     machine["load_average_end"] = machine_info()["load_average"]
     timed = config.transformers_requests
@@ -800,11 +1024,23 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
         },
         "systems": {
             "runtime": "causal-lm via open_runtime, N concurrent runtime.generate tasks",
+            "one-worker": (
+                "causal-lm via open_runtime(placement=Placement.single()): engine and batching "
+                "loop in one worker process (IPC), conductor and N concurrent "
+                "runtime.generate tasks here; tokens are the requests' completion_tokens"
+            ),
             "transformers": (
                 "AutoModelForCausalLM.generate, greedy, one request after another"
                 + ("" if timed is None else f" (at most {timed} timed per repetition)")
             ),
             "handloop": "KVCacheEngine.forward in a plain loop: N prefills, then N decodes/round",
+        },
+        "torch_threads": {
+            "one-worker": threads,
+            "one-worker conductor": threads,
+            "runtime": threads,
+            "handloop": threads,
+            "transformers": threads,
         },
         "machine": machine,
         "results": results,
@@ -842,8 +1078,46 @@ def _percent(summary: dict[str, Any] | None) -> str:
     return "-" if summary is None else f"{100 * summary['median']:.0f}%"
 
 
+_HEADER = (
+    f"{'N':>4} | {'runtime tok/s':>22} | {'one-worker tok/s':>22} | "
+    f"{'transformers tok/s':>22} | {'handloop tok/s':>22} | {'runtime/transformers':>22} | "
+    f"{'runtime/handloop':>20} | {'one-worker/runtime':>20} | {'rt TTFT p50 ms':>14} | "
+    f"{'rt ITL p50 ms':>13} | {'1w ITL p50 ms':>13} | {'rt busy':>7}"
+)
+
+
+def _row(entry: dict[str, Any]) -> str:
+    """One concurrency's line of a dtype's table."""
+    systems, ratios = entry["systems"], entry["ratios"]
+    runtime, worker = systems["runtime"], systems["one-worker"]
+    return (
+        f"{entry['concurrency']:>4} | {_cell(runtime['tokens_per_s']):>22} | "
+        f"{_cell(worker['tokens_per_s']):>22} | "
+        f"{_cell(systems['transformers']['tokens_per_s']):>22} | "
+        f"{_cell(systems['handloop']['tokens_per_s']):>22} | "
+        f"{_cell(ratios['runtime/transformers'], 2, 'x'):>22} | "
+        f"{_cell(ratios['runtime/handloop'], 2, 'x'):>20} | "
+        f"{_cell(ratios['one-worker/runtime'], 2, 'x'):>20} | "
+        f"{_cell(runtime['ttft_ms_p50'], 0):>14} | {_cell(runtime['itl_ms_p50'], 1):>13} | "
+        f"{_cell(worker['itl_ms_p50'], 1):>13} | {_percent(runtime['engine_busy']):>7}"
+    )
+
+
+def _threads_line(report: dict[str, Any]) -> str:
+    """Which torch thread counts each system ran with, and how the processes share the CPUs."""
+    threads = report["torch_threads"]
+    return (
+        f"torch threads: runtime {threads['runtime']}, handloop {threads['handloop']}, "
+        f"transformers {threads['transformers']} (all in this process); one-worker "
+        f"{threads['one-worker']} in its worker process, while this process runs its conductor "
+        f"with {threads['one-worker conductor']} (the two processes share the "
+        f"{report['machine']['cpu_count']} CPUs)"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The report as text: a table per dtype, notes on extrapolation, and the aims."""
+    """The report as text: the thread counts, a table per dtype, notes on extrapolation and
+    contamination, and the aims."""
     work = report["workload"]
     machine = report["machine"]
     lines = [
@@ -853,33 +1127,20 @@ def format_report(report: dict[str, Any]) -> str:
         f"{machine['torch_version']} ({machine['torch_threads']} threads), transformers "
         f"{machine['transformers_version']}, load average {machine['load_average']}",
         f"each cell: median of {work['repeat']} repetitions [min-max]; systems interleaved; "
-        "ratios taken within each repetition; rt busy: share of the runtime's wall time spent "
-        "inside engine forwards",
+        "ratios taken within each repetition; rt: the in-process runtime, 1w: the one-worker "
+        "runtime; rt busy: share of the runtime's wall time spent inside engine forwards",
         f"a repetition during which other processes kept more than {work['max_foreign_cores']} "
         f"cores busy is measured again (up to {work['retries']} times)",
+        _threads_line(report),
     ]
-    header = (
-        f"{'N':>4} | {'runtime tok/s':>22} | {'transformers tok/s':>22} | "
-        f"{'handloop tok/s':>22} | {'runtime/transformers':>22} | {'runtime/handloop':>20} | "
-        f"{'rt TTFT p50 ms':>14} | {'rt ITL p50 ms':>13} | {'rt busy':>7}"
-    )
     notes: list[str] = []
     for dtype in work["dtypes"]:
-        lines += ["", dtype, header, "-" * len(header)]
+        lines += ["", dtype, _HEADER, "-" * len(_HEADER)]
         for entry in report["results"]:
             if entry["dtype"] != dtype:
                 continue
-            systems, ratios = entry["systems"], entry["ratios"]
-            runtime = systems["runtime"]
-            lines.append(
-                f"{entry['concurrency']:>4} | {_cell(runtime['tokens_per_s']):>22} | "
-                f"{_cell(systems['transformers']['tokens_per_s']):>22} | "
-                f"{_cell(systems['handloop']['tokens_per_s']):>22} | "
-                f"{_cell(ratios['runtime/transformers'], 2, 'x'):>22} | "
-                f"{_cell(ratios['runtime/handloop'], 2, 'x'):>20} | "
-                f"{_cell(runtime['ttft_ms_p50'], 0):>14} | {_cell(runtime['itl_ms_p50'], 1):>13} | "
-                f"{_percent(runtime['engine_busy']):>7}"
-            )
+            systems = entry["systems"]
+            lines.append(_row(entry))
             where = f"{dtype} N={entry['concurrency']}"
             if entry["discarded_repetitions"]:
                 notes.append(

@@ -77,12 +77,16 @@ def add_bench_parser(sub: Any) -> None:
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     decode = kinds.add_parser(
         "decode",
-        help="decode tokens/s: runtime vs transformers generate vs a hand-written engine loop",
+        help=(
+            "decode tokens/s: runtime (in process and in one worker process) vs transformers "
+            "generate vs a hand-written engine loop"
+        ),
         description=(
-            "Decode throughput of causal-lm (SmolLM2-135M by default) through the runtime, "
-            "against transformers' generate (requests one after another) and a hand-written "
-            "loop over the same engine, at several concurrencies. Default: the full workload "
-            "(bf16 and fp32, 64-token prompts, 128 new tokens, N = 1, 8, 32, 3 repetitions)."
+            "Decode throughput of causal-lm (SmolLM2-135M by default) through the runtime, in "
+            "this process and with its engine in one worker process, against transformers' "
+            "generate (requests one after another) and a hand-written loop over the same "
+            "engine, at several concurrencies. Default: the full workload (bf16 and fp32, "
+            "64-token prompts, 128 new tokens, N = 1, 8, 32, 3 repetitions)."
         ),
     )
     mode = decode.add_mutually_exclusive_group()

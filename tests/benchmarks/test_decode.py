@@ -1,7 +1,8 @@
 """The decode benchmark, run end to end on the tiny random checkpoint (never SmolLM2 here).
 
-No timing is asserted: only that the report has every system, configuration, ratio and aim,
-and that every system generated exactly the tokens it was asked for, counted.
+No timing is asserted: only that the report has every system (the runtime in one worker
+process included), configuration, ratio and aim, the torch threads each system used, and that
+every system generated exactly the tokens it was asked for, counted.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks.decode import (
     AIMS,
@@ -35,6 +37,14 @@ CONCURRENCY = (1, 3, 32)  # 1 and 32 are the concurrencies the aims name
 NEW_TOKENS = 5
 PROMPT_TOKENS = 12
 REPEAT = 2
+# Sequential transformers requests timed per repetition: all of them at N = 1 and 3, a few at
+# N = 32 (timing all 32 would dominate the test's run time), so extrapolation is covered too.
+TRANSFORMERS_REQUESTS = 3
+
+
+def timed_requests(name: str, concurrency: int) -> int:
+    """How many of ``concurrency`` requests the system ``name`` runs and times."""
+    return min(concurrency, TRANSFORMERS_REQUESTS) if name == "transformers" else concurrency
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +55,8 @@ def report(tiny_folder: Path) -> dict[str, Any]:
         "bench",
         "decode",
         "--json",
-        "--full",  # every transformers request timed, so all three make N * new tokens
+        "--transformers-requests",
+        str(TRANSFORMERS_REQUESTS),
         "--folder",
         str(tiny_folder),
         "--dtype",
@@ -64,6 +75,7 @@ def report(tiny_folder: Path) -> dict[str, Any]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main(argv) == 0
     assert "warming up runtime" in err.getvalue()  # progress goes to stderr
+    assert "warming up one-worker" in err.getvalue()
     parsed: dict[str, Any] = json.loads(out.getvalue())  # the whole of stdout is one object
     return parsed
 
@@ -74,33 +86,59 @@ def test_report_has_every_system_configuration_and_ratio(report: dict[str, Any])
     for key in ("cpu_model", "torch_version", "torch_threads", "transformers_version"):
         assert report["machine"][key]
     assert report["workload"]["new_tokens"] == NEW_TOKENS
-    assert report["workload"]["transformers_requests"] is None
+    assert report["workload"]["transformers_requests"] == TRANSFORMERS_REQUESTS
     configurations = {(r["dtype"], r["concurrency"]) for r in report["results"]}
     assert configurations == {(d, n) for d in ("bfloat16", "float32") for n in CONCURRENCY}
     for entry in report["results"]:
+        n = entry["concurrency"]
         assert set(entry["systems"]) == set(SYSTEMS)
         assert set(entry["ratios"]) == {f"{a}/{b}" for a, b in RATIOS}
         for ratio in entry["ratios"].values():
-            assert ratio["n"] == REPEAT and ratio["min"] <= ratio["median"] <= ratio["max"]
+            assert ratio["n"] == REPEAT and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
         for name in SYSTEMS:
             system = entry["systems"][name]
             assert system["tokens_per_s"]["n"] == REPEAT
             assert system["tokens_per_s"]["median"] > 0
             assert len(system["repetitions"]) == REPEAT
-            assert system["extrapolated"] is False
+            assert system["extrapolated"] is (timed_requests(name, n) < n)
         assert entry["discarded_repetitions"] == 0  # --retries 0
         assert entry["contaminated_repetitions"] >= 0
         assert entry["systems"]["runtime"]["ttft_ms_p50"]["median"] > 0
         assert entry["systems"]["handloop"]["itl_ms_p50"]["median"] > 0
 
 
-def test_every_system_generated_exactly_n_times_new_tokens(report: dict[str, Any]) -> None:
+def test_one_worker_row_is_measured_beside_the_in_process_runtime(report: dict[str, Any]) -> None:
+    assert "one-worker" in SYSTEMS and ("one-worker", "runtime") in RATIOS
     for entry in report["results"]:
-        expected = entry["concurrency"] * NEW_TOKENS
+        worker = entry["systems"]["one-worker"]
+        assert worker["tokens_per_s"]["min"] > 0
+        assert worker["ttft_ms_p50"]["median"] > 0
+        assert worker["itl_ms_p50"]["median"] > 0
+        # No engine in this process to count forwards in; tokens come from the outputs.
+        assert worker["forwards"] is None and worker["engine_busy"] is None
+        ratio = entry["ratios"]["one-worker/runtime"]
+        assert ratio["n"] == REPEAT and ratio["min"] > 0
+
+
+def test_every_system_ran_with_the_same_torch_threads(report: dict[str, Any]) -> None:
+    threads = report["torch_threads"]
+    assert set(threads) == {*SYSTEMS, "one-worker conductor"}
+    # The worker rank gets what torch has in this process, as every in-process system does.
+    assert set(threads.values()) == {torch.get_num_threads()}
+    text = format_report(report)
+    assert f"one-worker {torch.get_num_threads()} in its worker process" in text
+
+
+def test_every_system_generated_exactly_timed_requests_times_new_tokens(
+    report: dict[str, Any],
+) -> None:
+    for entry in report["results"]:
         for name in SYSTEMS:
+            timed = timed_requests(name, entry["concurrency"])
+            expected = timed * NEW_TOKENS
             for run in entry["systems"][name]["repetitions"]:
                 assert run["foreign_cores"] is None or run["foreign_cores"] >= 0
-                assert run["timed_requests"] == entry["concurrency"]
+                assert run["timed_requests"] == timed
                 assert run["tokens"] == expected, (entry["dtype"], entry["concurrency"], name)
                 assert run["expected_tokens"] == expected
 
@@ -111,9 +149,13 @@ def test_aims_are_judged_for_each_dtype(report: dict[str, Any]) -> None:
     for aim in aims:
         assert isinstance(aim["met"], bool)
         assert aim["met"] == (aim["measured"] >= aim["target"])
+    assert "one-worker >= 0.9x runtime at N=32" in {aim["aim"] for aim in aims}
     text = format_report(report)
     assert text.count("runtime/transformers") == 2  # a table header per dtype
-    assert "aims:" in text and "extrapolated" not in text
+    assert text.count("one-worker/runtime") == 2
+    assert "aims:" in text
+    # Only N=32 times fewer transformers requests than it has, once per dtype.
+    assert text.count("extrapolated") == 2
 
 
 def test_check_tokens_rejects_a_system_that_made_fewer() -> None:
