@@ -121,6 +121,9 @@ class _Scope:
         return scope
 
 
+_UNKNOWN = object()
+
+
 def _as_items(value: Any) -> Any:
     # One firing is one stream item: a tensor gains the item axis, anything else is listed.
     if isinstance(value, torch.Tensor):
@@ -163,6 +166,7 @@ class WalkRun:
         self._outputs = {ref: str(ref) for ref in plan.outputs}
         self._names: dict[PortRef, str] = {}
         self._walk_name = plan.walk.name
+        self._stream_inputs: dict[str, Any] = {}  # node -> the streaming edge it consumes
         self._fed = {
             ref: StreamEdge(trampoline, policy.fresh(), plan.walk.max_buffer)
             for ref, policy in plan.input_streams.items()
@@ -281,7 +285,9 @@ class WalkRun:
                 target.cells[edge].done.set()
 
     async def _run_node(self, node: Node, scope: _Scope) -> None:
-        streamed = self.plan.stream_input(node.name)
+        streamed = self._stream_inputs.get(node.name, _UNKNOWN)
+        if streamed is _UNKNOWN:
+            streamed = self._stream_inputs[node.name] = self.plan.stream_input(node.name)
         fed = self._fed_by_node.get(node.name)
         inputs: dict[str, Any] = {}
         for port in node.inputs:

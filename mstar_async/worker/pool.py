@@ -56,6 +56,9 @@ from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
 
+#: Outputs read before their credit is sent back (see ``_walk_credit``): half the window.
+CREDIT_BATCH = max(1, OUTPUT_WINDOW // 2)
+
 
 class _Waiter:
     __slots__ = ("done", "error", "outputs")
@@ -398,9 +401,13 @@ class WorkerPool:
                 waiter.set_result(None)
 
     def _walk_credit(self, rank: int, walk_id: int, count: int) -> None:
+        # Credit goes back in halves of the window: a walk held at its window gets going
+        # again after half of it was read, and a program that reads steadily costs the worker
+        # one credit message per half window, not one per output. Smaller amounts ride along.
         credits = self._credits.setdefault(rank, {})
-        credits[walk_id] = credits.get(walk_id, 0) + count
-        self._send_wake.set()
+        total = credits[walk_id] = credits.get(walk_id, 0) + count
+        if total >= CREDIT_BATCH:
+            self._send_wake.set()
 
     def _walk_cancel(self, rank: int, walk_id: int) -> None:
         if walk_id in self._walks:

@@ -33,8 +33,9 @@ from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
 from mstar_async.walks.trampoline import StepRequest, Task, Trampoline
 from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
 
-#: Forwards measured faster than this run on the event loop's thread (a hop costs about this).
-INLINE_BELOW_S = 100e-6
+#: Forwards measured faster than this run on the event loop's thread: a hand-off to the forward
+#: thread and back costs ~100-200 µs on small VMs, more than such a forward.
+INLINE_BELOW_S = 250e-6
 #: How long back-to-back inline rounds may hold the event loop before others get a turn.
 SLICE_S = 0.002
 _EMA = 0.2  # weight of the newest forward time in the running estimate
