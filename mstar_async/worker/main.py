@@ -149,7 +149,13 @@ async def _run_step(
 
 def _loop_stats(batching: WalkLoop) -> dict[str, int]:
     stats = batching.stats
-    return {"forwards": stats.forwards, "steps": stats.steps, "walks": batching.walks_running}
+    kv_blocks = sum(int(getattr(e, "blocks_in_use", 0)) for e in batching.engines.values())
+    return {
+        "forwards": stats.forwards,
+        "steps": stats.steps,
+        "walks": batching.walks_running,
+        "kv_blocks": kv_blocks,
+    }
 
 
 async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:

@@ -130,3 +130,20 @@ async def test_a_streamed_walk_input_reaches_a_worker_process_with_backpressure(
             before = len(read)
             await anyio.sleep(0.5)  # the source would be read to the end without backpressure
             assert len(read) - before < 4 * (OUTPUT_WINDOW + 16 + 4)
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_leaving_a_request_frees_its_kv_on_the_worker(tiny_folder: Path) -> None:
+    model = build_model("causal-lm", path=str(tiny_folder), dtype="float32")
+    async with open_runtime(model, placement=Placement.single()) as runtime:
+        assert runtime.pool is not None
+        pool = runtime.pool
+        async with runtime.generate(
+            prompt="hello " * 40, max_tokens=400, ignore_eos=True
+        ) as outputs:
+            await outputs.__anext__()
+            assert (await pool.worker_stats(0))["kv_blocks"] > 0
+        # aclose() has returned: the cancel and the release are on their way to the worker.
+        with anyio.fail_after(10):
+            while (stats := await pool.worker_stats(0))["kv_blocks"] or stats["walks"]:
+                await anyio.sleep(0.005)
