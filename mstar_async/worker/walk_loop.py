@@ -253,7 +253,7 @@ class WalkLoop:
 
     async def _forward(self, batch: Round) -> bool:
         """Run the round's forwards; True when they ran on the forward thread."""
-        key = batch.engine_names
+        key = tuple(b.engine for b in batch.batches)
         estimate = self._estimates.get(key)
         start = time.perf_counter()
         threaded = estimate is None or estimate >= self.inline_below_s
