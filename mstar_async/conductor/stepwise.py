@@ -17,7 +17,6 @@ import anyio
 from anyio.abc import TaskGroup as AnyioTaskGroup
 
 from mstar_async.conductor.executor import StepExecutor, materialize
-from mstar_async.errors import WalkInputError
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.transport import StepCall
 from mstar_async.walks import (
@@ -155,12 +154,17 @@ class StepwiseWalk:
         self.host.cancel_steps(self.run.group)
 
     async def feed(self, port: PortRef, items: Any) -> None:
-        """Streamed inputs run only on a worker (see ``RequestContext.stream``).
+        """Items of the streamed input ``port``; returns once it has room for more (or the walk
+        has ended). Cancel-safe.
 
         Raises:
-            WalkInputError: always.
+            KeyError: ``port`` is not a streamed input of the walk.
         """
-        raise WalkInputError("streamed walk inputs need the walk's nodes on one rank")
+        feeding = self.run.feed_async(port, items)
+        self.host.kick()
+        await feeding
 
     def end_input(self, port: PortRef) -> None:
-        """Nothing to end: see ``feed``."""
+        """The streamed input ``port`` has ended."""
+        self.run.end_input(port)
+        self.host.kick()

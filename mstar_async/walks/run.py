@@ -13,6 +13,7 @@ are unacknowledged at once; past that the walk waits until the reader acknowledg
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
@@ -208,6 +209,18 @@ class WalkRun:
             stream.on_space.append(on_space)
         else:
             on_space()
+
+    async def feed_async(self, port: PortRef, items: Any) -> None:
+        """``feed`` for a caller on this walk's event loop: returns once the input has room
+        (or the walk has ended); the trampoline's driver must be kicked after the call starts.
+        Cancel-safe: the items were taken either way.
+
+        Raises:
+            KeyError: ``port`` is not a streamed input of this walk.
+        """
+        room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.feed(port, items, lambda: None if room.done() else room.set_result(None))
+        await room
 
     def end_input(self, port: PortRef) -> None:
         """The streamed walk input ``port`` has ended; its node sees the last chunk. Idempotent.

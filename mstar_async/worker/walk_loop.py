@@ -325,10 +325,9 @@ class LocalWalk:
         Raises:
             KeyError: ``port`` is not a streamed input of the walk.
         """
-        room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.run.feed(port, items, lambda: _settle(room, None))
+        feeding = self.run.feed_async(port, items)
         self.loop.kick()
-        await room
+        await feeding
 
     def end_input(self, port: PortRef) -> None:
         """The streamed input ``port`` has ended."""
