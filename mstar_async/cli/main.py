@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import anyio
-
+from mstar_async.cli.bench import add_bench_parser
 from mstar_async.cli.run import add_run_parser
 from mstar_async.cli.serve import add_serve_parser
 from mstar_async.cli.worker import add_worker_parser
@@ -38,19 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models in the zoo")
     models.set_defaults(handler=_models)
     add_run_parser(sub)
-    __import__("mstar_async.cli.bench", fromlist=["add_bench_parser"]).add_bench_parser(sub)
+    add_bench_parser(sub)
     add_serve_parser(sub)
     add_worker_parser(sub)
     return parser
-
-
-def run_async(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` on a new event loop: uvloop when installed, asyncio otherwise."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return anyio.run(fn, *args)
-    return anyio.run(fn, *args, backend_options={"use_uvloop": True})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -257,7 +257,7 @@ def _ranks(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    from mstar_async.cli.main import run_async
+    from mstar_async.loop import run_async
 
     try:
         print(f"building {args.model} ...", file=sys.stderr)

@@ -76,7 +76,7 @@ def placements(models: list[str], options: list[str]) -> dict[str, Placement]:
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from mstar_async.cli.main import run_async
+    from mstar_async.loop import run_async
     from mstar_async.models import build_model
     from mstar_async.server import DEFAULT_MAX_CONCURRENT, ModelSpec, create_app, serve
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.common import (
+from mstar_async.bench.common import (
     CpuSample,
     ProgressLog,
     Summary,

@@ -7,8 +7,6 @@ every system generated exactly the tokens it was asked for, counted.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.decode import (
+from mstar_async.bench.decode import (
     AIMS,
     RATIOS,
     SYSTEMS,
@@ -29,17 +27,20 @@ from benchmarks.decode import (
     kv_cache_bytes_for,
     preset,
 )
-from mstar_async.cli import main
 from mstar_async.models.causal_lm import DEFAULT_KV_CACHE_BYTES
 from mstar_async.models.checkpoints import ChatTokenizer
+from tests.benchmarks.runs import (
+    DECODE_CONCURRENCY,
+    DECODE_NEW_TOKENS,
+    DECODE_REPEAT,
+    DECODE_TRANSFORMERS_REQUESTS,
+    BenchRun,
+)
 
-CONCURRENCY = (1, 3, 32)  # 1 and 32 are the concurrencies the aims name
-NEW_TOKENS = 5
-PROMPT_TOKENS = 12
-REPEAT = 2
-# Sequential transformers requests timed per repetition: all of them at N = 1 and 3, a few at
-# N = 32 (timing all 32 would dominate the test's run time), so extrapolation is covered too.
-TRANSFORMERS_REQUESTS = 3
+CONCURRENCY = DECODE_CONCURRENCY
+NEW_TOKENS = DECODE_NEW_TOKENS
+REPEAT = DECODE_REPEAT
+TRANSFORMERS_REQUESTS = DECODE_TRANSFORMERS_REQUESTS
 
 
 def timed_requests(name: str, concurrency: int) -> int:
@@ -48,41 +49,16 @@ def timed_requests(name: str, concurrency: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def report(tiny_folder: Path) -> dict[str, Any]:
+def report(decode_run: BenchRun) -> dict[str, Any]:
     """One run through the CLI, as a user types it: JSON on stdout and nothing else there."""
-    out, err = io.StringIO(), io.StringIO()
-    argv = [
-        "bench",
-        "decode",
-        "--json",
-        "--transformers-requests",
-        str(TRANSFORMERS_REQUESTS),
-        "--folder",
-        str(tiny_folder),
-        "--dtype",
-        "both",
-        "--concurrency",
-        ",".join(map(str, CONCURRENCY)),
-        "--new-tokens",
-        str(NEW_TOKENS),
-        "--prompt-tokens",
-        str(PROMPT_TOKENS),
-        "--repeat",
-        str(REPEAT),
-        "--retries",
-        "0",  # no timing is judged here, so a busy machine need not cost reruns
-    ]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert main(argv) == 0
-    assert "warming up runtime" in err.getvalue()  # progress goes to stderr
-    assert "warming up one-worker" in err.getvalue()
-    parsed: dict[str, Any] = json.loads(out.getvalue())  # the whole of stdout is one object
-    return parsed
+    assert "warming up runtime" in decode_run.progress  # progress goes to stderr
+    assert "warming up one-worker" in decode_run.progress
+    return decode_run.report
 
 
 def test_report_has_every_system_configuration_and_ratio(report: dict[str, Any]) -> None:
     assert report["benchmark"] == "decode"
-    assert set(report["systems"]) == set(SYSTEMS)
+    assert [s["name"] for s in report["systems"]] == list(SYSTEMS)
     for key in ("cpu_model", "torch_version", "torch_threads", "transformers_version"):
         assert report["machine"][key]
     assert report["workload"]["new_tokens"] == NEW_TOKENS
@@ -121,10 +97,10 @@ def test_one_worker_row_is_measured_beside_the_in_process_runtime(report: dict[s
 
 
 def test_every_system_ran_with_the_same_torch_threads(report: dict[str, Any]) -> None:
-    threads = report["torch_threads"]
-    assert set(threads) == {*SYSTEMS, "one-worker conductor"}
+    threads = {s["name"]: s["torch_threads"] for s in report["systems"]}
+    (worker,) = [s for s in report["systems"] if s["name"] == "one-worker"]
     # The worker rank gets what torch has in this process, as every in-process system does.
-    assert set(threads.values()) == {torch.get_num_threads()}
+    assert set(threads.values()) == {torch.get_num_threads(), worker["conductor_torch_threads"]}
     text = format_report(report)
     assert f"one-worker {torch.get_num_threads()} in its worker process" in text
 
@@ -149,7 +125,8 @@ def test_aims_are_judged_for_each_dtype(report: dict[str, Any]) -> None:
     for aim in aims:
         assert isinstance(aim["met"], bool)
         assert aim["met"] == (aim["measured"] >= aim["target"])
-    assert "one-worker >= 0.9x runtime at N=32" in {aim["aim"] for aim in aims}
+    names = {aim["name"] for aim in aims}
+    assert {f"{d}: one-worker >= 0.9x runtime at N=32" for d in ("bfloat16", "float32")} <= names
     text = format_report(report)
     assert text.count("runtime/transformers") == 2  # a table header per dtype
     assert text.count("one-worker/runtime") == 2

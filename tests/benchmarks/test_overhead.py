@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from typing import Any
 
 import pytest
 
-from benchmarks.overhead import (
+from mstar_async.bench.overhead import (
     AIMS,
     ENGINES,
     BenchmarkError,
@@ -22,27 +21,26 @@ from benchmarks.overhead import (
     preset,
 )
 from mstar_async.cli import main
+from tests.benchmarks.runs import (
+    OVERHEAD_CONCURRENCY,
+    OVERHEAD_ITERATIONS,
+    OVERHEAD_SYSTEMS,
+    BenchRun,
+)
 
 # Two one-worker runtimes start (one per engine): a few seconds on two idle cores.
 pytestmark = pytest.mark.timeout(120)
 
-SYSTEMS = ("in-process", "one-worker")
-CONCURRENCY = (1, 2)
-K = 5
+SYSTEMS = OVERHEAD_SYSTEMS
+CONCURRENCY = OVERHEAD_CONCURRENCY
+K = OVERHEAD_ITERATIONS
 
 
-# Module scope: the benchmark runs once for every test here. It makes its own event loop, so
-# nothing here is parametrised over the conftest's event loops.
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    out, err = io.StringIO(), io.StringIO()
-    argv = ["bench", "overhead", "--quick", "--json", "--concurrency", "1,2", "--iterations"]
-    argv += [str(K), "--repeat", "1", "--systems", ",".join(SYSTEMS)]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert main(argv) == 0
-    assert "no-work N=2 repetition 1/1: one-worker" in err.getvalue()  # progress on stderr
-    parsed: dict[str, Any] = json.loads(out.getvalue())  # and only JSON on stdout
-    return parsed
+def report(overhead_run: BenchRun) -> dict[str, Any]:
+    # Progress went to stderr, and only JSON to stdout.
+    assert "no-work N=2 repetition 1/1: one-worker" in overhead_run.progress
+    return overhead_run.report
 
 
 def test_shape(report: dict[str, Any]) -> None:
@@ -107,7 +105,7 @@ def test_aims(report: dict[str, Any]) -> None:
     assert len(report["aims"]) == len(AIMS)
     rows = {(r["engine"], r["system"], r["concurrency"]): r for r in report["results"]}
     for aim in report["aims"]:
-        assert {"name", "target", "measured", "met"} <= set(aim)
+        assert {"name", "target", "measured", "met"} <= set(aim) and aim["compare"] == "<="
         row = rows.get((aim["engine"], aim["system"], aim["concurrency"]))
         if row is None:  # N=32 and N=128 are not in this run
             assert aim["concurrency"] not in CONCURRENCY

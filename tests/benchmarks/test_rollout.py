@@ -10,31 +10,43 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import quiet
-from benchmarks.rollout import RolloutConfig, format_rollout, plot_rollout, preset, run_rollout
-from mstar_async.cli import main
+from mstar_async.bench.common import quiet
+from mstar_async.bench.report import check_report
+from mstar_async.bench.rollout import (
+    RolloutConfig,
+    format_rollout,
+    plot_rollout,
+    preset,
+    run_rollout,
+)
+from tests.benchmarks.runs import BenchRun
 
 pytestmark = pytest.mark.timeout(90)
-TINY = RolloutConfig(mode="quick", size="tiny", horizons=(2, 5), repeat=2)
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    out = run_rollout(TINY, quiet)
-    assert json.loads(json.dumps(out)) == out
-    return out
+def report(rollout_run: BenchRun) -> dict[str, Any]:
+    return rollout_run.report
 
 
 def test_every_horizon_has_both_systems_and_they_agree(report: dict[str, Any]) -> None:
     assert report["benchmark"] == "rollout"
+    assert [s["name"] for s in report["systems"]] == ["cached", "recompute"]
     assert [e["horizon"] for e in report["results"]] == [2, 5]
     for entry in report["results"]:
         assert entry["cached_s"]["n"] == entry["recompute_s"]["n"] == 2
         assert entry["cached_s"]["median"] > 0 and entry["recompute_s"]["median"] > 0
         assert entry["speedup"]["median"] > 0
         assert entry["max_abs_diff"] <= 1e-3
-    assert set(report["speedup"]) == {"2", "5"}
-    assert report["aim"]["measured"] is None  # horizon 30 was not asked for
+    (aim,) = report["aims"]
+    assert aim["horizon"] == 30 and aim["target"] == 12.5
+    assert aim["measured"] is None and aim["met"] is None  # horizon 30 was not asked for
+
+
+def test_a_run_of_the_config_gives_the_same_shape() -> None:
+    out = run_rollout(RolloutConfig(mode="quick", size="tiny", horizons=(2,), repeat=1), quiet)
+    check_report(out)
+    assert json.loads(json.dumps(out)) == out
 
 
 def test_frame_counts_and_workload(report: dict[str, Any]) -> None:
@@ -50,7 +62,8 @@ def test_frame_counts_and_workload(report: dict[str, Any]) -> None:
 
 def test_text_report_and_plot(report: dict[str, Any], tmp_path: Path) -> None:
     text = format_rollout(report)
-    assert "horizon" in text and len(text.splitlines()) == 4
+    assert "horizon" in text and len(text.splitlines()) == 5
+    assert "not measured (horizon 30 not in this run)" in text
     pytest.importorskip("matplotlib")
     path = tmp_path / "rollout.png"
     assert plot_rollout(report, path) is None
@@ -64,8 +77,8 @@ def test_presets() -> None:
         preset("huge")
 
 
-def test_the_command_prints_the_speedup_per_horizon(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "rollout", "--quick", "--json", "--size", "tiny", "--horizons", "3"]
-    assert main(argv) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert set(printed["speedup"]) == {"3"} and printed["workload"]["mode"] == "quick"
+def test_the_command_prints_the_speedup_per_horizon(rollout_run: BenchRun) -> None:
+    printed = rollout_run.report  # mstar bench rollout --quick --json, parsed
+    speedups = {row["horizon"]: row["speedup"]["median"] for row in printed["results"]}
+    assert set(speedups) == {2, 5} and printed["workload"]["mode"] == "quick"
+    assert "horizon 5 rep 2" in rollout_run.progress

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.speech import (
+from mstar_async.bench.speech import (
+    OURS,
     SYSTEMS,
     SpeechConfig,
     codes_model,
@@ -30,6 +30,7 @@ from mstar_async.cli import main
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk
 from mstar_async.runtime import open_runtime
+from tests.benchmarks.runs import BenchRun
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,14 +109,9 @@ async def test_non_streaming_baseline_makes_the_streamed_audio() -> None:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    out, err = io.StringIO(), io.StringIO()
-    argv = ["bench", "speech", "--quick", "--json", "--concurrency", "1,3", "--max-tokens", "36"]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert main(argv) == 0
-    assert "N=3 pipeline" in err.getvalue()  # progress goes to stderr
-    parsed: dict[str, Any] = json.loads(out.getvalue())  # and only JSON to stdout
-    return parsed
+def report(speech_run: BenchRun) -> dict[str, Any]:
+    assert "N=3 pipeline" in speech_run.progress  # progress goes to stderr
+    return speech_run.report
 
 
 def test_quick_report_figures_are_consistent(report: dict[str, Any]) -> None:
@@ -152,19 +148,18 @@ def test_quick_report_figures_are_consistent(report: dict[str, Any]) -> None:
         ours = result["systems"]["streaming"]["throughput_audio_s_per_s"]
         seq = result["systems"]["sequential"]["throughput_audio_s_per_s"]
         assert ratios["streaming/sequential"] == pytest.approx(ours / seq, rel=1e-2)
-    assert set(report["aims"]) == {"streaming", "streaming_split"}
-    for aims in report["aims"].values():
-        assert set(aims) == {
-            "ttfa_over_non_streaming_e2e",
-            "throughput_over_sequential",
-            "rtf_p50_over_pipeline",
-        }
-        assert all(isinstance(aim["met"], bool) for aim in aims.values())
-    split = report["aims"]["streaming_split"]["throughput_over_sequential"]
-    assert (
-        split["value"]
-        == report["results"][-1]["ratios"]["throughput"]["streaming_split/sequential"]
-    )
+    assert [s["name"] for s in report["systems"]] == list(SYSTEMS)
+    # Named "LAYOUT: WHAT ...": TTFA, throughput or RTF of one layout of the runtime.
+    aims = {(a["system"], a["name"].split(": ")[1].split(" ")[0]): a for a in report["aims"]}
+    assert set(aims) == {(ours, what) for ours in OURS for what in ("TTFA", "throughput", "RTF")}
+    assert all(isinstance(aim["met"], bool) for aim in aims.values())
+    split = aims[("streaming_split", "throughput")]
+    last = report["results"][-1]
+    assert split["measured"] == last["ratios"]["throughput"]["streaming_split/sequential"]
+    assert split["concurrency"] == 3 and split["target"] == 3.0
+    rtf = aims[("streaming", "RTF")]
+    assert rtf["measured"] == max(rtf["by_concurrency"].values())
+    assert rtf["met"] == (rtf["measured"] < 1) and rtf["compare"] == "<"
 
 
 def test_text_report_and_plot(report: dict[str, Any], tmp_path: Path) -> None:
@@ -175,7 +170,7 @@ def test_text_report_and_plot(report: dict[str, Any], tmp_path: Path) -> None:
         ("3", "pipeline"),
     ]
     assert len(rows) == 2 * len(SYSTEMS)
-    assert "aim streaming_split throughput_over_sequential" in text
+    assert "aim streaming_split: throughput at N=3 >= 3x sequential" in text
     if plot_report(report, tmp_path / "speech.png"):
         assert (tmp_path / "speech.png").read_bytes()[:4] == b"\x89PNG"
 

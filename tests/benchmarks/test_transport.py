@@ -8,16 +8,24 @@ report shows them all.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
-from benchmarks.common import quiet
-from benchmarks.transport import PLACEMENTS, TRANSPORTS, format_transport, run_transport
+from mstar_async.bench.common import quiet
+from mstar_async.bench.report import check_report
+from mstar_async.bench.transport import (
+    PLACEMENTS,
+    TRANSPORTS,
+    format_transport,
+    rows,
+    run_transport,
+)
 from mstar_async.transport.shm import SHM_TENSOR_BYTES
+from tests.benchmarks.runs import BenchRun
 
 MESSAGES = ("ping", "step")
+KINDS = ("header", "latency", "throughput", "placement")
 SYSTEM_ROWS = (
     "copy_ (baseline)",
     "torch.clone",
@@ -31,14 +39,12 @@ SYSTEM_ROWS = (
 pytestmark = pytest.mark.timeout(420)
 
 
-# Module scope: the benchmark runs once for every test here. run_transport is synchronous and
-# makes its own event loop, so nothing here is parametrised over the conftest's event loops.
+# The benchmark runs once for every test here (``transport_run``, ``mstar bench transport
+# --quick --json``); it makes its own event loop, so nothing here is parametrised over the
+# conftest's event loops.
 @pytest.fixture(scope="module")
-def result() -> dict[str, Any]:
-    out = run_transport(quick=True, repeat=1, progress=quiet)
-    parsed: dict[str, Any] = json.loads(json.dumps(out))  # JSON-ready, and the same after
-    assert parsed == out
-    return out
+def result(transport_run: BenchRun) -> dict[str, Any]:
+    return transport_run.report
 
 
 def test_shape_and_workload(result: dict[str, Any]) -> None:
@@ -48,11 +54,18 @@ def test_shape_and_workload(result: dict[str, Any]) -> None:
     assert result["workload"]["large_tensor_bytes"] == 8 << 20
     assert any("8 MB" in note for note in result["workload"]["notes"])
     assert result["machine"]["cpu_count"] >= 1
-    assert result["seconds_total"] > 0
+    assert result["seconds"] > 0
+    names = {entry["name"] for entry in result["systems"]}
+    assert names == {"copy", "clone", "ipc", "ipc-frames", "tcp", "inproc", "ours", "raw"} | set(
+        PLACEMENTS
+    )
+    measurements = [row["measurement"] for row in result["results"]]
+    assert measurements == sorted(measurements, key=KINDS.index)  # grouped, in this order
+    assert measurements.count("header") == 1
 
 
 def test_latency_has_ours_and_raw_for_every_transport(result: dict[str, Any]) -> None:
-    found = {(e["transport"], e["message"]): e for e in result["latency"]}
+    found = {(e["transport"], e["message"]): e for e in rows(result, "latency")}
     assert set(found) == {(t, m) for t in TRANSPORTS for m in MESSAGES}
     for entry in found.values():
         assert entry["ours_p50_us"]["median"] > 0
@@ -63,8 +76,9 @@ def test_latency_has_ours_and_raw_for_every_transport(result: dict[str, Any]) ->
 
 
 def test_throughput_has_every_size_and_system(result: dict[str, Any]) -> None:
-    assert [e["size_bytes"] for e in result["throughput"]] == [1 << 20, 8 << 20]
-    for entry in result["throughput"]:
+    throughput = rows(result, "throughput")
+    assert [e["size_bytes"] for e in throughput] == [1 << 20, 8 << 20]
+    for entry in throughput:
         systems = entry["systems"]
         assert set(systems) == {"copy", "clone", "ipc", "ipc-frames", "tcp", "inproc"}
         for system in systems.values():
@@ -79,7 +93,7 @@ def test_throughput_has_every_size_and_system(result: dict[str, Any]) -> None:
 
 
 def test_every_placement_streams_audio_before_it_ends(result: dict[str, Any]) -> None:
-    placements = {e["placement"]: e for e in result["placements"]}
+    placements = {e["placement"]: e for e in rows(result, "placement")}
     assert list(placements) == list(PLACEMENTS)
     assert [placements[p]["processes"] for p in PLACEMENTS] == [0, 1, 2, 3, 2]
     assert [placements[p]["transport"] for p in PLACEMENTS] == ["inproc", *["ipc"] * 3, "tcp"]
@@ -105,7 +119,7 @@ def test_every_aim_is_judged(result: dict[str, Any]) -> None:
     for aim in aims:
         assert isinstance(aim["met"], bool)
         assert aim["measured"] > 0 and aim["target"] > 0
-    texts = [aim["aim"] for aim in aims]
+    texts = [aim["name"] for aim in aims]
     for transport in TRANSPORTS:
         assert sum(f"over {transport}" in text for text in texts) == len(MESSAGES)
     assert "IPC throughput of a 8 MB tensor" in texts[-1]
@@ -128,13 +142,15 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
     for placement in PLACEMENTS:
         assert any(row.startswith(f"{placement:>15} |") for row in rows), placement
     for aim in result["aims"]:
-        assert aim["aim"] in text
+        assert aim["name"] in text
     assert text.count("NOT met") == sum(not aim["met"] for aim in result["aims"])
 
 
 def test_throughput_only_measures_tensors_alone() -> None:
     out = run_transport(quick=True, repeat=1, progress=quiet, throughput_only=True)
-    assert out["latency"] == [] and out["placements"] == []
-    assert [e["size_bytes"] for e in out["throughput"]] == [1 << 20, 8 << 20]
-    assert len(out["aims"]) == 1 and "IPC throughput" in out["aims"][0]["aim"]
-    assert out["throughput"][1]["systems"]["ipc"]["shared_memory"] is True
+    check_report(out)
+    assert rows(out, "latency") == [] and rows(out, "placement") == []
+    throughput = rows(out, "throughput")
+    assert [e["size_bytes"] for e in throughput] == [1 << 20, 8 << 20]
+    assert len(out["aims"]) == 1 and "IPC throughput" in out["aims"][0]["name"]
+    assert throughput[1]["systems"]["ipc"]["shared_memory"] is True

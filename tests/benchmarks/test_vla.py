@@ -5,28 +5,20 @@ No timing is asserted, only that every figure is there, counted and self-consist
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 from typing import Any
 
 import pytest
 
-from benchmarks.vla import VlaConfig, format_vla, preset, request_inputs
-from mstar_async.cli import main
+from mstar_async.bench.vla import VlaConfig, format_vla, preset, request_inputs
+from tests.benchmarks.runs import BenchRun
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    out, err = io.StringIO(), io.StringIO()
-    argv = ["bench", "vla", "--quick", "--json", "--concurrency", "1,3", "--steps", "2"]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert main(argv) == 0
-    assert "N=3 repetition 1/1" in err.getvalue()  # progress goes to stderr
-    parsed: dict[str, Any] = json.loads(out.getvalue())  # and only JSON to stdout
-    return parsed
+def report(vla_run: BenchRun) -> dict[str, Any]:
+    assert "N=3 repetition 1/1" in vla_run.progress  # progress goes to stderr
+    return vla_run.report
 
 
 def test_report_has_both_modes_at_each_concurrency(report: dict[str, Any]) -> None:
@@ -34,6 +26,8 @@ def test_report_has_both_modes_at_each_concurrency(report: dict[str, Any]) -> No
     assert work["size"] == "tiny" and work["steps"] == 2 and work["threads"] == 1
     assert work["action_chunk"] == [8, 4]
     assert [r["concurrency"] for r in report["results"]] == [1, 3]
+    assert [s["name"] for s in report["systems"]] == ["concurrent", "sequential"]
+    assert report["aims"] == []  # no target is set for this benchmark
     # Three concurrent requests' flow steps ran in one forward at least once.
     assert work["largest_flow_step_batch"] == 3
     for entry in report["results"]:

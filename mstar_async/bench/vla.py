@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.common import (
+from mstar_async.bench.common import (
     cpu_sample,
     foreign_cores,
     machine_info,
@@ -38,7 +38,9 @@ from benchmarks.common import (
     ratio_table,
     summarize,
 )
+from mstar_async.bench.report import make_report, system_entry
 from mstar_async.engines.prefix_cache import PrefixCacheEngine
+from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.models.pi05.model import PolicyCache
 from mstar_async.outputs import ActionOutput
@@ -158,7 +160,8 @@ def _summarise(n: int, reps: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 async def run_vla(config: VlaConfig, progress: Progress = quiet) -> dict[str, Any]:
-    """Measure ``config``; the report as a JSON-ready dict.
+    """Measure ``config``; the report (the shape of ``mstar_async.bench.report``), one row
+    per concurrency, and no aim.
 
     Raises:
         RuntimeError: a request did not give one action chunk of the model's shape.
@@ -172,6 +175,7 @@ async def run_vla(config: VlaConfig, progress: Progress = quiet) -> dict[str, An
 
 
 async def _run(config: VlaConfig, progress: Progress) -> dict[str, Any]:
+    started = time.perf_counter()
     machine = machine_info()
     model = build_model("pi05", size=config.size)
     results: list[dict[str, Any]] = []
@@ -202,24 +206,34 @@ async def _run(config: VlaConfig, progress: Progress) -> dict[str, Any]:
             results.append(_summarise(n, reps))
         largest = max(engine.suffix_batches, default=0)
     machine["load_average_end"] = machine_info()["load_average"]
-    return {
-        "benchmark": "vla",
-        "workload": {
+    return make_report(
+        "vla",
+        workload={
+            "model": "pi05",
             **asdict(config),
             "concurrency": list(config.concurrency),
             "action_chunk": list(shape),
             "image_size": cfg.image_size,
             "largest_flow_step_batch": largest,
         },
-        "machine": machine,
-        "results": results,
-    }
+        machine=machine,
+        systems=[
+            system_entry(
+                "concurrent",
+                "N requests submitted at once to one runtime; vision, prefix and flow steps "
+                "batch across them",
+            ),
+            system_entry("sequential", "the same N requests one after another, same runtime"),
+        ],
+        results=results,
+        # No target is set for this benchmark, so it judges no aim.
+        aims=[],
+        seconds=time.perf_counter() - started,
+    )
 
 
 def run_vla_sync(config: VlaConfig, progress: Progress = quiet) -> dict[str, Any]:
     """``run_vla`` on a fresh event loop (uvloop where installed)."""
-    from mstar_async.cli.main import run_async
-
     report: dict[str, Any] = run_async(run_vla, config, progress)
     return report
 

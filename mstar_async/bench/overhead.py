@@ -28,21 +28,21 @@ turn, their order reversed every repetition, with a garbage collection before ea
 measurement. Each measurement records how many cores other processes kept busy meanwhile
 (``foreign_cores``; the machine may be shared), but nothing is measured again.
 
-Result (a JSON-ready dict)::
+The result is a report of the shape every benchmark has (``mstar_async.bench.report``)::
 
     {
       "benchmark": "overhead",
       "workload": {"mode", "engines", "forward_ms", "concurrency", "iterations", "repeat",
                    "warmup_iterations", "loop", "notes"},
-      "machine": machine_info() of benchmarks.common, plus "load_average_end",
+      "machine": machine_info() of mstar_async.bench.common, plus "load_average_end",
       "systems": [{"name", "placement", "worker_processes", "description"}, ...],
       "results": [{"engine", "forward_ms", "system", "concurrency", "iterations", "steps",
                    "us_per_request_iteration": S, "overhead_us_per_request_iteration": S,
                    "rounds_per_s": S, "forwards": S, "mean_batch": S, "seconds": S,
                    "foreign_cores": S | None, "steps_by_process": [int, ...],
                    "samples": [{"seconds", "forwards", "foreign_cores"}, ...]}, ...],
-      "aims": [{"name", "engine", "system", "concurrency", "metric", "target", "measured",
-                "met"}, ...],
+      "aims": [{"name", "target", "measured", "met", "compare": "<=", "engine", "system",
+                "concurrency", "metric"}, ...],
       "seconds": float,
     }
 
@@ -62,7 +62,7 @@ from typing import Any
 
 import anyio
 
-from benchmarks.common import (
+from mstar_async.bench.common import (
     CpuSample,
     ProgressLog,
     cpu_sample,
@@ -71,7 +71,9 @@ from benchmarks.common import (
     quiet,
     summarize,
 )
+from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.errors import MstarError
+from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
@@ -416,20 +418,19 @@ def _report(
 def _aims(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     found = {(r["engine"], r["system"], r["concurrency"]): r for r in results}
     aims: list[dict[str, Any]] = []
-    for aim in AIMS:
-        row = found.get((aim.engine, aim.system, aim.concurrency))
-        measured = None if row is None else row[aim.metric]["median"]
+    for goal in AIMS:
+        row = found.get((goal.engine, goal.system, goal.concurrency))
         aims.append(
-            {
-                "name": aim.describe(),
-                "engine": aim.engine,
-                "system": aim.system,
-                "concurrency": aim.concurrency,
-                "metric": aim.metric,
-                "target": aim.target,
-                "measured": measured,
-                "met": None if measured is None else bool(measured <= aim.target),
-            }
+            aim_entry(
+                goal.describe(),
+                goal.target,
+                None if row is None else row[goal.metric]["median"],
+                compare="<=",
+                engine=goal.engine,
+                system=goal.system,
+                concurrency=goal.concurrency,
+                metric=goal.metric,
+            )
         )
     return aims
 
@@ -449,12 +450,12 @@ def _systems(config: OverheadConfig) -> list[dict[str, Any]]:
     for name in config.systems:
         placement = _placement(name)
         entries.append(
-            {
-                "name": name,
-                "placement": None if placement is None else placement.to_dict(),
-                "worker_processes": 0 if placement is None else placement.ranks,
-                "description": _DESCRIPTIONS[name],
-            }
+            system_entry(
+                name,
+                _DESCRIPTIONS[name],
+                placement=None if placement is None else placement.to_dict(),
+                worker_processes=0 if placement is None else placement.ranks,
+            )
         )
     return entries
 
@@ -488,9 +489,9 @@ async def run_overhead(config: OverheadConfig, progress: Progress = quiet) -> di
     for engine in config.engines:
         results.extend(await _run_engine(engine, config, progress))
     machine["load_average_end"] = machine_info()["load_average"]
-    return {
-        "benchmark": "overhead",
-        "workload": {
+    return make_report(
+        "overhead",
+        workload={
             "mode": config.mode,
             "model": "noop",
             "engines": list(config.engines),
@@ -502,12 +503,12 @@ async def run_overhead(config: OverheadConfig, progress: Progress = quiet) -> di
             "loop": _loop_name(),
             "notes": list(_NOTES),
         },
-        "machine": machine,
-        "systems": _systems(config),
-        "results": results,
-        "aims": _aims(results),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+        machine=machine,
+        systems=_systems(config),
+        results=results,
+        aims=_aims(results),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def run_overhead_sync(config: OverheadConfig, progress: Progress | None = None) -> dict[str, Any]:
@@ -518,12 +519,7 @@ def run_overhead_sync(config: OverheadConfig, progress: Progress | None = None) 
         As ``run_overhead``.
     """
     log: Progress = progress if progress is not None else ProgressLog()
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        report: dict[str, Any] = anyio.run(run_overhead, config, log)
-        return report
-    report = anyio.run(run_overhead, config, log, backend_options={"use_uvloop": True})
+    report: dict[str, Any] = run_async(run_overhead, config, log)
     return report
 
 
@@ -573,11 +569,11 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "aims:",
     ]
-    for aim in report["aims"]:
-        if aim["met"] is None:
+    for entry in report["aims"]:
+        if entry["met"] is None:
             verdict = "not measured in this run"
         else:
-            verdict = f"{aim['measured']:.1f} us: {'met' if aim['met'] else 'NOT met'}"
-        lines.append(f"  {aim['name']}: {verdict}")
+            verdict = f"{entry['measured']:.1f} us: {'met' if entry['met'] else 'NOT met'}"
+        lines.append(f"  {entry['name']}: {verdict}")
     lines.append(f"\ntotal {report['seconds']} s")
     return "\n".join(lines)

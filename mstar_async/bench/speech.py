@@ -1,7 +1,7 @@
 """Streaming speech: time to first audio, real-time factor, throughput and playback underruns of
 ``orpheus`` through the runtime, against three baselines measured in the same run.
 
-Workload: the sentences of ``benchmarks/prompts/speech_en.txt`` (everyday sentences of varied
+Workload: the sentences of ``mstar_async/bench/prompts/speech_en.txt`` (everyday sentences of varied
 length), request ``i`` speaking line ``i`` with seed ``seed + i``, voice ``tara``, temperature 0.6,
 top-p 0.8 and the same ``max_tokens`` everywhere. The seeded ``small`` LM nearly always runs to
 ``max_tokens`` (it rarely samples ``<end_of_speech>``), so ``max_tokens`` sets each utterance's
@@ -46,10 +46,19 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.common import child_pids, cpu_sample, foreign_cores, machine_info, percentile, quiet
+from mstar_async.bench.common import (
+    child_pids,
+    cpu_sample,
+    foreign_cores,
+    machine_info,
+    percentile,
+    quiet,
+)
+from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.engines import StatelessEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, Walk
+from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.models.orpheus.model import SAMPLE_RATE
 from mstar_async.models.orpheus.snac_codec import SnacWindowDecoder, decode_offline
@@ -578,42 +587,69 @@ async def _measure(
 OURS = ("streaming", "streaming_split")
 
 
-def _aims_of(ours: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _aims_of(ours: str, results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     first, last = results[0], results[-1]
-    aims: dict[str, Any] = {}
+    aims: list[dict[str, Any]] = []
     if {ours, "non_streaming"} <= set(first["systems"]):
+        n = first["concurrency"]
         value = (
             first["systems"][ours]["ttfa_p50_s"] / first["systems"]["non_streaming"]["e2e_p50_s"]
         )
-        aims["ttfa_over_non_streaming_e2e"] = {
-            "concurrency": first["concurrency"],
-            "value": round(value, 4),
-            "target": "<= 0.2",
-            "met": value <= 0.2,
-        }
+        aims.append(
+            aim_entry(
+                f"{ours}: TTFA p50 at N={n} <= 0.2x non_streaming's end-to-end p50",
+                0.2,
+                round(value, 4),
+                compare="<=",
+                system=ours,
+                concurrency=n,
+            )
+        )
     if {ours, "sequential"} <= set(last["systems"]):
-        value = last["ratios"]["throughput"][f"{ours}/sequential"]
-        aims["throughput_over_sequential"] = {
-            "concurrency": last["concurrency"],
-            "value": value,
-            "target": ">= 3",
-            "met": value >= 3,
-        }
+        n = last["concurrency"]
+        aims.append(
+            aim_entry(
+                f"{ours}: throughput at N={n} >= 3x sequential",
+                3.0,
+                last["ratios"]["throughput"][f"{ours}/sequential"],
+                system=ours,
+                concurrency=n,
+            )
+        )
     if all({ours, "pipeline"} <= set(r["systems"]) for r in results):
         values = {
             str(r["concurrency"]): r["ratios"]["rtf_p50"][f"{ours}/pipeline"] for r in results
         }
-        aims["rtf_p50_over_pipeline"] = {
-            "value": values,
-            "target": "< 1 at every concurrency",
-            "met": all(v < 1 for v in values.values()),
-        }
+        aims.append(
+            aim_entry(
+                f"{ours}: RTF p50 below pipeline's at every N (the worst N's ratio)",
+                1.0,
+                max(values.values()),
+                compare="<",
+                system=ours,
+                by_concurrency=values,
+            )
+        )
     return aims
 
 
-def _aims(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _aims(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per layout of the runtime, the three aims: measured value, target, whether met."""
-    return {ours: _aims_of(ours, results) for ours in OURS if ours in results[0]["systems"]}
+    return [
+        entry for ours in OURS if ours in results[0]["systems"] for entry in _aims_of(ours, results)
+    ]
+
+
+#: What each system runs, for the report's ``systems``.
+_DESCRIPTIONS = {
+    "streaming": "the runtime in one process: LM decode steps batched across requests, every "
+    "7 new codes streaming a 28-token window to SNAC",
+    "streaming_split": "the same with LM and codec on worker processes of their own",
+    "non_streaming": "(a) each request decodes all its codes, then vocodes the whole utterance",
+    "pipeline": "(b) an LM stage process and a codec stage process over ZeroMQ; the codec "
+    "takes a request once all its codes arrived, one request at a time",
+    "sequential": "(c) the streaming runtime, the N requests one after another",
+}
 
 
 def _ratios(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -710,28 +746,27 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
         for n in config.concurrency:
             results.append(await _round(config, systems, n, prompts, progress))
     machine["load_average_end"] = machine_info()["load_average"]
-    return {
-        "benchmark": "speech",
-        "workload": {
+    return make_report(
+        "speech",
+        workload={
             **asdict(config),
             "concurrency": list(config.concurrency),
             "systems": list(config.systems),
-            "prompts": str(PROMPTS.relative_to(PROMPTS.parents[2])),
+            "prompts": PROMPTS.relative_to(PROMPTS.parents[3]).as_posix(),
             "sampling": "voice tara, temperature 0.6, top_p 0.8, seed = seed + request index"
             if config.model == "orpheus"
             else "greedy text, seeded speech, ignore_eos",
         },
-        "machine": machine,
-        "results": results,
-        "aims": _aims(results),
-        "seconds": round(time.perf_counter() - started, 2),
-    }
+        machine=machine,
+        systems=[system_entry(name, _DESCRIPTIONS[name]) for name in config.systems],
+        results=results,
+        aims=_aims(results),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def run_speech_sync(config: SpeechConfig, progress: Progress = quiet) -> dict[str, Any]:
     """``run_speech`` on a fresh event loop (uvloop where installed)."""
-    from mstar_async.cli.main import run_async
-
     report: dict[str, Any] = run_async(run_speech, config, progress)
     return report
 
@@ -765,10 +800,9 @@ def format_report(report: dict[str, Any]) -> str:
         if ratios:
             text = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
             lines.append(f"    throughput {text}")
-    for ours, aims in report["aims"].items():
-        for name, aim in aims.items():
-            verdict = "met" if aim["met"] else "NOT met"
-            lines.append(f"aim {ours} {name}: {aim['value']} (target {aim['target']}): {verdict}")
+    for entry in report["aims"]:
+        verdict = "met" if entry["met"] else "NOT met"
+        lines.append(f"aim {entry['name']}: {entry['measured']}: {verdict}")
     return "\n".join(lines)
 
 
@@ -785,7 +819,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     results = report["results"]
     ns = [r["concurrency"] for r in results]
     fig, (rtf_ax, ttfa_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for system in report["workload"]["systems"]:
+    for system in (entry["name"] for entry in report["systems"]):
         cells = [r["systems"][system] for r in results]
         p50 = [c["rtf_p50"] for c in cells]
         up = [c["rtf_p95"] - c["rtf_p50"] for c in cells]
@@ -808,11 +842,11 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
 
 
 def main() -> None:
-    """``python -m benchmarks.speech [--quick]``: print the report (``mstar bench speech`` has
-    every option)."""
+    """``python -m mstar_async.bench.speech [--quick]``: print the report (``mstar bench
+    speech`` has every option)."""
     import sys
 
-    from benchmarks.common import ProgressLog
+    from mstar_async.bench.common import ProgressLog
 
     report = run_speech_sync(preset("--quick" in sys.argv[1:]), ProgressLog())
     print(format_report(report))

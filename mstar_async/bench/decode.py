@@ -56,7 +56,7 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.common import (
+from mstar_async.bench.common import (
     CpuSample,
     ProgressLog,
     cpu_sample,
@@ -66,11 +66,13 @@ from benchmarks.common import (
     ratio_table,
     summarize,
 )
+from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.engines.base import Engine, Step, StepResult
 from mstar_async.engines.kv import bytes_per_block
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import MstarError
+from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.models.causal_lm import (
     DEFAULT_KV_CACHE_BYTES,
@@ -957,32 +959,52 @@ def _aims(configurations: Sequence[dict[str, Any]], dtypes: Sequence[str]) -> li
     found = {(c["dtype"], c["concurrency"]): c for c in configurations}
     aims: list[dict[str, Any]] = []
     for dtype in dtypes:
-        for aim in AIMS:
-            entry = found.get((dtype, aim.concurrency))
-            measured = None if entry is None else entry["ratios"][aim.ratio]["median"]
+        for goal in AIMS:
+            entry = found.get((dtype, goal.concurrency))
+            measured = None if entry is None else entry["ratios"][goal.ratio]["median"]
             aims.append(
-                {
-                    "aim": aim.describe(),
-                    "dtype": dtype,
-                    "concurrency": aim.concurrency,
-                    "ratio": aim.ratio,
-                    "target": aim.target,
-                    "measured": measured,
-                    "met": None if measured is None else measured >= aim.target,
-                }
+                aim_entry(
+                    f"{dtype}: {goal.describe()}",
+                    goal.target,
+                    measured,
+                    dtype=dtype,
+                    concurrency=goal.concurrency,
+                    ratio=goal.ratio,
+                )
             )
     return aims
+
+
+def _systems(timed: int | None, threads: int) -> list[dict[str, Any]]:
+    """The four systems, with the torch threads of the process that runs each one's forwards
+    (``one-worker``: its worker rank; its conductor runs in this process, with ``threads``)."""
+    descriptions = {
+        "one-worker": (
+            "causal-lm via open_runtime(placement=Placement.single()): engine and batching "
+            "loop in one worker process (IPC), conductor and N concurrent "
+            "runtime.generate tasks here; tokens are the requests' completion_tokens"
+        ),
+        "runtime": "causal-lm via open_runtime, N concurrent runtime.generate tasks",
+        "handloop": "KVCacheEngine.forward in a plain loop: N prefills, then N decodes/round",
+        "transformers": (
+            "AutoModelForCausalLM.generate, greedy, one request after another"
+            + ("" if timed is None else f" (at most {timed} timed per repetition)")
+        ),
+    }
+    entries = [system_entry(name, descriptions[name], torch_threads=threads) for name in SYSTEMS]
+    entries[SYSTEMS.index("one-worker")]["conductor_torch_threads"] = threads
+    return entries
 
 
 async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[str, Any]:
     """Run the decode benchmark and return its report (a JSON-ready dict).
 
-    Keys: ``benchmark``, ``model``, ``workload``, ``systems`` (name -> description),
-    ``torch_threads`` (system -> the torch threads of the process that runs its forwards, plus
-    ``one-worker conductor``: those of this process, which runs that system's conductor),
-    ``machine``, ``results`` (one entry per dtype and concurrency: per-system tokens/s, TTFT
-    and ITL summaries, per-repetition measurements, and the ratios), ``aims`` and
-    ``seconds_total``.
+    The report has the shape of ``mstar_async.bench.report``: ``workload`` names the model
+    folder; each of ``systems`` has the torch threads of the process that runs its forwards
+    (``torch_threads``; ``one-worker`` also ``conductor_torch_threads``, this process's, which
+    runs its conductor); ``results`` has one entry per dtype and concurrency (per-system
+    tokens/s, TTFT and ITL summaries, per-repetition measurements, and the ratios); ``aims``
+    has every aim of ``AIMS`` for every dtype.
 
     Raises:
         BenchmarkError: a system generated the wrong number of tokens, or no prompt of the
@@ -1006,10 +1028,10 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
     results = [c.to_json() for c in configurations]
     machine["load_average_end"] = machine_info()["load_average"]
     timed = config.transformers_requests
-    return {
-        "benchmark": "decode",
-        "model": str(folder),
-        "workload": {
+    return make_report(
+        "decode",
+        workload={
+            "model": str(folder),
             "mode": config.mode,
             "dtypes": list(config.dtypes),
             "concurrency": list(config.concurrency),
@@ -1022,43 +1044,23 @@ async def run_decode(config: DecodeConfig, progress: Progress = quiet) -> dict[s
             "greedy": True,
             "ignore_eos": True,
         },
-        "systems": {
-            "runtime": "causal-lm via open_runtime, N concurrent runtime.generate tasks",
-            "one-worker": (
-                "causal-lm via open_runtime(placement=Placement.single()): engine and batching "
-                "loop in one worker process (IPC), conductor and N concurrent "
-                "runtime.generate tasks here; tokens are the requests' completion_tokens"
-            ),
-            "transformers": (
-                "AutoModelForCausalLM.generate, greedy, one request after another"
-                + ("" if timed is None else f" (at most {timed} timed per repetition)")
-            ),
-            "handloop": "KVCacheEngine.forward in a plain loop: N prefills, then N decodes/round",
-        },
-        "torch_threads": {
-            "one-worker": threads,
-            "one-worker conductor": threads,
-            "runtime": threads,
-            "handloop": threads,
-            "transformers": threads,
-        },
-        "machine": machine,
-        "results": results,
-        "aims": _aims(results, config.dtypes),
-        "seconds_total": round(time.perf_counter() - started, 1),
-    }
+        machine=machine,
+        systems=_systems(timed, threads),
+        results=results,
+        aims=_aims(results, config.dtypes),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def run_decode_sync(config: DecodeConfig, progress: Progress | None = None) -> dict[str, Any]:
     """``run_decode`` on a fresh event loop (uvloop when installed); progress on stderr by
-    default."""
+    default.
+
+    Raises:
+        As ``run_decode``.
+    """
     log: Progress = progress if progress is not None else ProgressLog()
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        report: dict[str, Any] = anyio.run(run_decode, config, log)
-        return report
-    report = anyio.run(run_decode, config, log, backend_options={"use_uvloop": True})
+    report: dict[str, Any] = run_async(run_decode, config, log)
     return report
 
 
@@ -1105,12 +1107,13 @@ def _row(entry: dict[str, Any]) -> str:
 
 def _threads_line(report: dict[str, Any]) -> str:
     """Which torch thread counts each system ran with, and how the processes share the CPUs."""
-    threads = report["torch_threads"]
+    systems = {entry["name"]: entry for entry in report["systems"]}
+    threads = {name: entry["torch_threads"] for name, entry in systems.items()}
     return (
         f"torch threads: runtime {threads['runtime']}, handloop {threads['handloop']}, "
         f"transformers {threads['transformers']} (all in this process); one-worker "
         f"{threads['one-worker']} in its worker process, while this process runs its conductor "
-        f"with {threads['one-worker conductor']} (the two processes share the "
+        f"with {systems['one-worker']['conductor_torch_threads']} (the two processes share the "
         f"{report['machine']['cpu_count']} CPUs)"
     )
 
@@ -1121,7 +1124,7 @@ def format_report(report: dict[str, Any]) -> str:
     work = report["workload"]
     machine = report["machine"]
     lines = [
-        f"decode benchmark: {Path(report['model']).name}, {work['prompt_tokens']}-token prompts, "
+        f"decode benchmark: {Path(work['model']).name}, {work['prompt_tokens']}-token prompts, "
         f"{work['new_tokens']} new tokens, greedy, EOS ignored ({work['mode']} mode)",
         f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch "
         f"{machine['torch_version']} ({machine['torch_threads']} threads), transformers "
@@ -1164,13 +1167,13 @@ def format_report(report: dict[str, Any]) -> str:
     if notes:
         lines += ["", *notes]
     lines += ["", "aims:"]
-    for aim in report["aims"]:
-        if aim["met"] is None:
-            verdict = f"not measured (N={aim['concurrency']} not in this run)"
+    for entry in report["aims"]:
+        if entry["met"] is None:
+            verdict = f"not measured (N={entry['concurrency']} not in this run)"
         else:
-            verdict = f"{aim['measured']:.2f}x: {'met' if aim['met'] else 'NOT met'}"
-        lines.append(f"  {aim['dtype']}: {aim['aim']}: {verdict}")
-    lines.append(f"\ntotal {report['seconds_total']} s")
+            verdict = f"{entry['measured']:.2f}x: {'met' if entry['met'] else 'NOT met'}"
+        lines.append(f"  {entry['name']}: {verdict}")
+    lines.append(f"\ntotal {report['seconds']} s")
     return "\n".join(lines)
 
 
