@@ -11,8 +11,10 @@ the request program and read by the client here (N tasks, each iterating
   the program and the request stream.
 - ``fixed-cost``: each batched forward sleeps ``forward_ms`` (2 ms; ``time.sleep`` releases
   the GIL) once, whatever its batch size, as a forward of a real model would take time. Its
-  overhead per request-iteration is (wall time - forwards * 2 ms) / (N * K); with two workers
-  the forwards of the busier worker are subtracted (the two sleep at the same time).
+  overhead per request-iteration is (wall time - forwards * one forward's time) / (N * K),
+  where one forward's time is a 2 ms ``time.sleep`` as measured in the same run (it
+  overshoots by tens of microseconds here); with two workers the forwards of the busier worker
+  are subtracted (the two sleep at the same time).
 
 Systems: ``in-process`` (``open_runtime(model)``), ``one-worker`` (``Placement.single()``: the
 engine in one worker process) and ``two-workers`` (the ``count`` node replicated on ranks 0
@@ -331,20 +333,42 @@ async def _measure(system: _System, n: int, iterations: int) -> _Sample:
     return _Sample(seconds, dict(tally.steps), forwards, foreign)
 
 
+def _sleep_seconds(forward_ms: float, tries: int = 50) -> float:
+    """What one fixed-cost forward's ``time.sleep`` really takes on this machine now (the
+    median of ``tries``): a sleep overshoots by tens of microseconds, which is the kernel's and
+    not the runtime's, so the overhead subtracts the measured sleep, not the nominal one."""
+    if forward_ms <= 0:
+        return 0.0
+    taken = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        time.sleep(forward_ms / 1e3)
+        taken.append(time.perf_counter() - start)
+    return summarize(taken).median
+
+
 def _row(
-    engine: str, forward_ms: float, system: str, n: int, k: int, samples: Sequence[_Sample]
+    engine: str,
+    forward_ms: float,
+    system: str,
+    n: int,
+    k: int,
+    samples: Sequence[_Sample],
+    forward_s: float,
 ) -> dict[str, Any]:
-    """One result entry: the samples' figures summarised over the repetitions."""
+    """One result entry: the samples' figures summarised over the repetitions; ``forward_s``
+    is one forward's measured time (see ``_sleep_seconds``)."""
     steps = n * k
 
     def stat(values: Sequence[float]) -> dict[str, float | int]:
         return summarize(values).to_json()
 
-    sleeping = [forward_ms / 1e3 * max(s.forwards.values(), default=0) for s in samples]
+    sleeping = [forward_s * max(s.forwards.values(), default=0) for s in samples]
     foreign = [s.foreign_cores for s in samples if s.foreign_cores is not None]
     return {
         "engine": engine,
         "forward_ms": forward_ms,
+        "forward_ms_measured": round(forward_s * 1e3, 4),
         "system": system,
         "concurrency": n,
         "iterations": k,
@@ -389,8 +413,10 @@ async def _run_engine(
                     samples[name].append(sample)
                     _report(progress, engine, name, n, rep, config, sample)
             forward_ms = _forward_ms(engine, config)
+            forward_s = await anyio.to_thread.run_sync(_sleep_seconds, forward_ms)
             for name in systems:
-                rows.append(_row(engine, forward_ms, name, n, config.iterations, samples[name]))
+                row = _row(engine, forward_ms, name, n, config.iterations, samples[name], forward_s)
+                rows.append(row)
         progress(f"{engine}: closing the runtimes")
     return rows
 
