@@ -1,55 +1,34 @@
-"""The continuous-batching loop of one worker.
+"""The continuous-batching loop of one worker: an asyncio driver over :class:`Scheduler`.
 
-Node coroutines of many requests submit steps; the loop takes every step that is ready, up to a
-token budget per engine, runs one forward per engine off the event-loop thread, and resolves each
-step's waiter. Requests join and leave between forwards. A step an engine did not finish (a
-chunk of a long prefill, or one that waited for KV memory) goes back to the front of the queue.
-
-The queue is a plain FIFO ``deque``: the oldest step is served first so no request starves;
-removal on cancel is rare, so its O(n) cost does not matter.
+Node coroutines of many requests submit steps; the loop runs the scheduler's rounds (take the
+ready steps within budget, one forward per engine off the event-loop thread, resolve) and wakes
+each step's submitter with its outcome. The rules live in ``scheduler.py``.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from mstar_async.engines import WAIT, Engine, Step, StepResult
-from mstar_async.errors import EngineError, MstarError
-from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall
+from mstar_async.engines import Engine, Step
+from mstar_async.transport import StepCall
+from mstar_async.worker.scheduler import BatchStats, Job, Outcome, Scheduler
+
+__all__ = ["BatchStats", "BatchingLoop"]
 
 
-class _Pending:
-    __slots__ = ("done", "engine", "error", "outcome", "result", "step", "taken")
+class _Waiter:
+    """A submitter waiting for its step's outcome."""
 
-    def __init__(self, engine: str, step: Step) -> None:
-        self.engine = engine
-        self.step = step
+    __slots__ = ("done", "outcome")
+
+    def __init__(self) -> None:
         self.done = anyio.Event()
-        self.taken = False
-        self.outcome: StepResult = None
-        self.result: dict[str, Any] | None = None
-        self.error: BaseException | None = None
-
-
-@dataclass
-class BatchStats:
-    """What the loop ran: forwards, steps, tokens, and how many forwards had each batch size."""
-
-    forwards: int = 0
-    steps: int = 0
-    batch_sizes: Counter[int] = field(default_factory=Counter)
-
-    @property
-    def max_batch(self) -> int:
-        """The largest batch any forward saw (0 before the first)."""
-        return max(self.batch_sizes, default=0)
+        self.outcome: Outcome | None = None
 
 
 class BatchingLoop:
@@ -58,11 +37,12 @@ class BatchingLoop:
     Start ``run()`` in a task group; ``submit`` from any task of the same event loop.
     ``max_batch_tokens`` caps the tokens one forward of an engine processes (decode steps cost
     one; a prefill gets what is left, so decodes are never starved by a long prompt);
-    ``max_batch_size`` caps its steps. ``settle_rounds`` is how many scheduler passes the loop
+    ``max_batch_size`` caps its steps; ``forward_time_bound_s`` caps the tokens further so one
+    forward stays about that short. ``settle_rounds`` is how many scheduler passes the loop
     gives other tasks to submit before it runs a forward.
 
     Raises:
-        ValueError: a limit is below 1.
+        ValueError: a limit is below 1, or the time bound is not positive.
     """
 
     def __init__(
@@ -72,21 +52,25 @@ class BatchingLoop:
         max_batch_size: int = 256,
         max_batch_tokens: int = 512,
         settle_rounds: int = 8,
+        forward_time_bound_s: float = 0.1,
     ) -> None:
-        if max_batch_size < 1 or max_batch_tokens < 1:
-            raise ValueError(
-                f"max_batch_size and max_batch_tokens must be >= 1, got "
-                f"{max_batch_size} and {max_batch_tokens}"
-            )
-        self.engines = dict(engines)
+        self.scheduler = Scheduler(
+            engines,
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            forward_time_bound_s=forward_time_bound_s,
+        )
+        self.engines = self.scheduler.engines  # the same dict: swapping an engine is seen
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.settle_rounds = settle_rounds
-        self.stats = BatchStats()
-        self._queue: deque[_Pending] = deque()
-        self._parked: list[_Pending] = []  # waiting for KV memory until a request releases
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
+
+    @property
+    def stats(self) -> BatchStats:
+        """What the loop ran: forwards, steps, batch sizes."""
+        return self.scheduler.stats
 
     async def submit(self, call: StepCall) -> dict[str, Any]:
         """Queue one step and wait for its outputs.
@@ -97,160 +81,70 @@ class BatchingLoop:
         Raises:
             EngineError: the engine is unknown here, or the forward failed (its cause attached).
         """
-        if call.engine not in self.engines:
-            raise EngineError(
-                f"no engine {call.engine!r} on this worker; engines: {sorted(self.engines)}"
-            )
-        pending = _Pending(call.engine, Step(call.request_id, call.op, call.inputs))
-        self._queue.append(pending)
+        waiter = _Waiter()
+        job = Job(call.engine, Step(call.request_id, call.op, call.inputs), waiter)
+        self.scheduler.submit(job)
         self._wake.set()
         try:
-            await pending.done.wait()
+            await waiter.done.wait()
         except BaseException:
-            if not pending.taken:
-                if pending in self._parked:
-                    self._parked.remove(pending)
-                else:
-                    self._queue.remove(pending)
+            self.scheduler.withdraw(job)
             raise
-        if pending.error is not None:
-            raise pending.error
-        assert pending.result is not None
-        return pending.result
+        if isinstance(waiter.outcome, BaseException):
+            raise waiter.outcome
+        assert waiter.outcome is not None
+        return waiter.outcome
 
     async def release(self, request_id: str) -> None:
         """Tell every engine that ``request_id`` is over (finished, failed or cancelled).
 
-        Runs on the forward thread, after any forward in flight, so engines see no races.
-        Shielded from cancellation: a release always completes.
+        Runs on the forward thread, after any forward in flight, so engines see no races; then
+        steps parked for memory run again. Shielded from cancellation: a release always
+        completes.
+
+        Raises:
+            What an engine's ``release`` raised.
         """
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._release, request_id, limiter=self._limiter)
-        if self._parked:
-            self._queue.extendleft(reversed(self._parked))
-            self._parked.clear()
-            self._wake.set()
-
-    def _release(self, request_id: str) -> None:
-        for engine in self.engines.values():
-            engine.release(request_id)
+            try:
+                await anyio.to_thread.run_sync(
+                    self.scheduler.release_engines, request_id, limiter=self._limiter
+                )
+            finally:
+                self.scheduler.mark_released(request_id)
+                if self.scheduler.has_work:
+                    self._wake.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve submitted steps until cancelled.
 
-        Cancel-safe: a forward in flight is allowed to finish (it runs in a thread), then the
-        loop stops; steps still queued stay queued for their submitters to be cancelled.
+        Cancel-safe: a round in flight finishes (its forward runs in a thread) and its outcomes
+        are delivered, then the loop stops; steps still queued stay queued for their submitters
+        to be cancelled.
         """
         task_status.started()
         while True:
-            if not self._queue:
+            if not self.scheduler.has_work:
                 self._wake = anyio.Event()
                 await self._wake.wait()
             await self._settle()
-            batches = self._take()
-            await anyio.to_thread.run_sync(self._forward_all, batches, limiter=self._limiter)
-            self._resolve(batches)
+            chosen = self.scheduler.take()
+            if not chosen.batches:
+                continue  # every submitter left while the loop settled
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(
+                    self.scheduler.forward, chosen, limiter=self._limiter
+                )
+                for job, outcome in self.scheduler.finish(chosen):
+                    waiter: _Waiter = job.owner
+                    waiter.outcome = outcome
+                    waiter.done.set()
 
     async def _settle(self) -> None:
-        quiet, size = 0, len(self._queue)
+        quiet, size = 0, self.scheduler.queued
         for _ in range(self.settle_rounds):
             await anyio.lowlevel.checkpoint()
-            quiet = quiet + 1 if len(self._queue) == size else 0
-            size = len(self._queue)
+            quiet = quiet + 1 if self.scheduler.queued == size else 0
+            size = self.scheduler.queued
             if quiet >= 2:
                 return
-
-    def _take(self) -> dict[str, list[_Pending]]:
-        """Steps for this round, per engine: one-token steps first, then longer ones with the
-        tokens left (chunked), each engine within its own token budget."""
-        queued: dict[str, list[_Pending]] = {}
-        for pending in self._queue:
-            queued.setdefault(pending.engine, []).append(pending)
-        batches: dict[str, list[_Pending]] = {}
-        for name, candidates in queued.items():
-            engine = self.engines[name]
-            costs = [max(1, engine.cost(p.step)) for p in candidates]
-            chosen: list[_Pending] = []
-            tokens = 0
-            for short in (True, False):
-                for pending, cost in zip(candidates, costs, strict=True):
-                    if (cost == 1) != short or len(chosen) >= self.max_batch_size:
-                        continue
-                    grant = min(cost, self.max_batch_tokens - tokens)
-                    if grant < 1:
-                        break
-                    pending.step.budget = grant
-                    tokens += grant
-                    chosen.append(pending)
-            batches[name] = chosen
-        for chosen in batches.values():
-            for pending in chosen:
-                pending.taken = True
-                self._queue.remove(pending)
-        return batches
-
-    def _forward_all(self, batches: dict[str, list[_Pending]]) -> None:
-        for name, group in batches.items():
-            if group:
-                self._forward_one(name, group)
-
-    def _forward_one(self, name: str, group: list[_Pending]) -> None:
-        moves = [p for p in group if p.step.op in (EXPORT_OP, IMPORT_OP)]
-        for pending in moves:
-            pending.outcome = self._move_state(self.engines[name], pending.step)
-        group = [p for p in group if p.step.op not in (EXPORT_OP, IMPORT_OP)]
-        if not group:
-            return
-        self.stats.forwards += 1
-        self.stats.steps += len(group)
-        self.stats.batch_sizes[len(group)] += 1
-        try:
-            results = self.engines[name].forward([p.step for p in group])
-            if len(results) != len(group):
-                raise EngineError(
-                    f"engine {name!r} returned {len(results)} results for {len(group)} steps"
-                )
-        except Exception as exc:
-            results = [exc] * len(group)
-        for pending, outcome in zip(group, results, strict=True):
-            pending.outcome = outcome
-
-    @staticmethod
-    def _move_state(engine: Engine, step: Step) -> StepResult:
-        """A request's state leaving this engine, or arriving: engines without state move none."""
-        try:
-            if step.op == EXPORT_OP:
-                export = getattr(engine, "export_state", None)
-                return {"state": None if export is None else export(step.request_id)}
-            import_state = getattr(engine, "import_state", None)
-            if import_state is not None:
-                import_state(step.request_id, step.inputs.get("state"))
-            return {}
-        except Exception as exc:
-            return exc
-
-    def _resolve(self, batches: dict[str, list[_Pending]]) -> None:
-        again: list[_Pending] = []
-        for name, group in batches.items():
-            stalled = bool(group) and all(p.outcome is WAIT for p in group)
-            for pending in group:
-                outcome, pending.outcome = pending.outcome, None
-                if isinstance(outcome, dict):
-                    pending.result = outcome
-                elif isinstance(outcome, Exception):
-                    pending.error = _engine_error(name, outcome)
-                else:
-                    pending.taken = False
-                    # Nothing at all could run: wait for a release instead of spinning.
-                    (self._parked if stalled else again).append(pending)
-                    continue
-                pending.done.set()
-        self._queue.extendleft(reversed(again))
-
-
-def _engine_error(name: str, exc: Exception) -> BaseException:
-    if isinstance(exc, MstarError):
-        return exc
-    error = EngineError(f"engine {name!r} failed: {exc!r}")
-    error.__cause__ = exc
-    return error
