@@ -11,8 +11,11 @@ from typing import Any, Protocol, runtime_checkable
 class Step:
     """One step of one request: run ``op`` on ``inputs`` (port name -> value).
 
-    ``budget`` is set by the batching loop: how many tokens this step may process in this
-    forward (a long prompt's prefill is split over several forwards). 0 means no limit.
+    ``budget`` is set by the scheduler: how many tokens this step may process in this forward
+    (a long prompt's prefill is split over several forwards). 0 means no limit. An engine
+    computes at most that many of a step's tokens where the work can be split (returning
+    ``None`` until the step is done); a step that cannot be split (a stateless op, a query
+    step) runs whole.
     """
 
     request_id: str
@@ -41,14 +44,17 @@ StepResult = dict[str, Any] | None | Wait | Exception
 
 @runtime_checkable
 class Engine(Protocol):
-    """A component that runs batched steps; a worker's batching loop drives it.
+    """A component that runs batched steps; a worker's scheduler drives it.
 
-    ``forward`` and ``release`` are synchronous and run off the event loop's thread, one call at a
-    time per worker, so an engine needs no locks of its own.
+    ``forward``, ``release``, ``export_state`` and ``import_state`` are synchronous and run off
+    the event loop's thread, one call at a time per worker, so an engine needs no locks of its
+    own. ``cost`` runs on the scheduler's thread between forwards.
     """
 
     def cost(self, step: Step) -> int:
-        """Tokens ``step`` still needs to finish (1 for a step that is done in one go)."""
+        """Tokens ``step`` still needs to finish: what is left of a prompt, the rows or frames
+        a step feeds, 1 for a step with nothing to count. The scheduler grants a budget from
+        it; an error here costs the step 1 and it gets its error from ``forward``."""
         ...
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -62,6 +68,24 @@ class Engine(Protocol):
 
     def release(self, request_id: str) -> None:
         """Drop everything held for ``request_id`` (KV blocks, generators); idempotent."""
+        ...
+
+    def export_state(self, request_id: str) -> Any:
+        """What ``request_id`` holds here, to move it to another rank's engine, after which it
+        is released here; ``None`` when nothing is held (a stateless engine always).
+
+        Raises:
+            EngineError: the request's state cannot move now (a step half computed).
+        """
+        ...
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        """Take over what ``export_state`` of a peer engine gave; ``None`` imports nothing.
+
+        Raises:
+            KVCacheFull: no room for it here (nothing changed).
+            EngineError: the request is already held here.
+        """
         ...
 
 

@@ -18,17 +18,18 @@ outputs come once none are left.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mstar_async.engines.base import WAIT, Step, StepResult
+from mstar_async.engines.base import Step, StepResult
 from mstar_async.engines.kv import AttentionSpec, PagedKVAllocator, PagedKVCache
-from mstar_async.engines.kv.preemption import preempt_if_stuck
-from mstar_async.errors import EngineError, KVCacheFull
+from mstar_async.engines.kv.admission import Admission, Demand
+from mstar_async.engines.kv.transfer import read_sequence, write_sequence
+from mstar_async.errors import EngineError
 
 
 class LayerAttention(Protocol):
@@ -144,10 +145,11 @@ class BlockCausalKVEngine:
     """Runs frame steps of many requests in one forward, keeping each request's K/V.
 
     The model (a ``FrameModel``) defines the ops and their inputs; the engine owns the paged
-    cache (``kv_frames`` frames for all requests together), batching and memory. A step that
-    does not fit now waits (``WAIT``) while others run; one that could never fit, or the newest
-    of requests that all wait on each other, fails with ``KVCacheFull``. ``release`` frees a
-    request's frames (finish, error and cancel alike).
+    cache (``kv_frames`` frames for all requests together), batching and memory. Admission is
+    the shared rule of ``engines/kv/admission.py``: a step that does not fit now waits
+    (``WAIT``) while others run; one that could never fit, or the newest of requests that all
+    wait on each other, fails with ``KVCacheFull``. ``release`` frees a request's frames
+    (finish, error and cancel alike).
 
     Raises:
         ValueError: ``kv_frames`` is below 1.
@@ -176,6 +178,13 @@ class BlockCausalKVEngine:
             head_dim=spec.head_dim,
             dtype=spec.dtype,
             device=self.device,
+        )
+        self.admission = Admission(
+            self.allocator,
+            unit="frames",
+            tokens_per_unit=self.tokens_per_frame,
+            block_word="frames",
+            remedy="build the model with a larger kv_frames or ask for a shorter horizon",
         )
         self._pending: dict[str, _Pending] = {}
 
@@ -208,13 +217,50 @@ class BlockCausalKVEngine:
             raise EngineError("a forward got two steps of one request; submit them in turn")
         with torch.inference_mode():
             chunks = [self._admit(step) for step in steps]
-        admitted, results = self._fit(steps, chunks)
-        if admitted:
+        verdict = self.admission.admit(
+            [
+                Demand(s.request_id, s.request_id, n, self._left(s), s.op)
+                for s, n in zip(steps, chunks, strict=True)
+            ]
+        )
+        results = verdict.results
+        for i in verdict.failed:
+            # Its frames will never be computed; the request's held frames go at release.
+            self._pending.pop(steps[i].request_id, None)
+        if verdict.admitted:
             with torch.inference_mode():
-                outputs = self._run(steps, chunks, admitted)
+                outputs = self._run(steps, chunks, verdict.admitted)
             for i, out in outputs.items():
                 results[i] = out
         return results
+
+    def export_state(self, request_id: str) -> dict[str, Any] | None:
+        """The request's cached frames (K/V on the CPU), then release it here; ``None`` if
+        nothing is held. Runs on the forward thread.
+
+        Raises:
+            EngineError: a step of the request is half computed (its frames cannot move).
+        """
+        if request_id in self._pending:
+            raise EngineError(f"request {request_id}: cannot move it while a step is running")
+        if not self.allocator.has(request_id):
+            return None
+        state = {"kv": read_sequence(self.allocator, self.cache, request_id)}
+        self.release(request_id)
+        return state
+
+    def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:
+        """Hold the frames ``export_state`` gave away.
+
+        Raises:
+            KVCacheFull: no room for them here (nothing changed).
+            EngineError: the request is already held here.
+        """
+        if state is None:
+            return
+        if self.allocator.has(request_id):
+            raise EngineError(f"request {request_id} is already held by this engine")
+        write_sequence(self.allocator, self.cache, request_id, state["kv"])
 
     def release(self, request_id: str) -> None:
         """Free the request's frames and anything pending; idempotent."""
@@ -240,42 +286,9 @@ class BlockCausalKVEngine:
         frames = max(1, step.budget // self.tokens_per_frame) if step.budget else left
         return min(left, frames * self.tokens_per_frame)
 
-    def _fit(self, steps: Sequence[Step], chunks: list[int]) -> tuple[list[int], list[StepResult]]:
-        results: list[StepResult] = [None] * len(steps)
-        wanted: dict[Hashable, int] = {s.request_id: n for s, n in zip(steps, chunks, strict=True)}
-        if self.allocator.can_append_batch(wanted):
-            return list(range(len(steps))), results
-        admitted: list[int] = []
-        chosen: dict[Hashable, int] = {}
-        for i, step in enumerate(steps):
-            trial = {**chosen, step.request_id: chunks[i]}
-            if self.allocator.can_append_batch(trial):
-                chosen, admitted = trial, [*admitted, i]
-            else:
-                results[i] = self._wait_or_fail(step)
-        if not admitted:
-            ids = [s.request_id for s in steps]
-            preempt_if_stuck(
-                self.allocator,
-                ids,
-                ids,
-                results,
-                unit="frames",
-                remedy="build the model with a larger kv_frames or lower the concurrency",
-            )
-        return admitted, results
-
-    def _wait_or_fail(self, step: Step) -> StepResult:
-        capacity = self.allocator.num_blocks
-        held = self.frames_held(step.request_id)
-        frames = held + self._pending[step.request_id].tokens.shape[0] // self.tokens_per_frame
-        if frames <= capacity:
-            return WAIT
-        self.release(step.request_id)
-        return KVCacheFull(
-            f"request {step.request_id} needs KV for {frames} frames but the cache holds "
-            f"{capacity}; build the model with a larger kv_frames or ask for a shorter horizon"
-        )
+    def _left(self, step: Step) -> int:
+        pending = self._pending[step.request_id]
+        return int(pending.tokens.shape[0])
 
     def _run(
         self, steps: Sequence[Step], chunks: list[int], admitted: list[int]

@@ -27,11 +27,13 @@ from mstar_async.engines.kv import (
     PagedKVCache,
     select_attention_backend,
 )
+from mstar_async.engines.kv.admission import Admission, Demand
+from mstar_async.engines.kv.allocator import AppendPlan
 from mstar_async.engines.kv.cache import paged_storage
-from mstar_async.engines.kv.preemption import preempt_if_stuck
-from mstar_async.engines.kv.queries import QueryModel, run_queries
+from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
+from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
-from mstar_async.errors import EngineError, KVCacheFull
+from mstar_async.errors import EngineError
 
 GREEDY = SamplingParams(temperature=0.0)
 TOKEN_OPS = ("prefill", "decode")
@@ -74,6 +76,13 @@ class _Sequence:
     prefill: Step | None = None  # the prefill step being computed, so a resubmit is not re-added
 
 
+@dataclass
+class _Work:
+    demand: Demand
+    tokens: list[int] = field(default_factory=list)  # a token step's tokens this forward
+    before: tuple[list[int], Step | None] | None = None  # its sequence before it was admitted
+
+
 def _token_list(value: Any) -> list[int]:
     if isinstance(value, torch.Tensor):
         return [int(t) for t in value.reshape(-1).tolist()]
@@ -102,9 +111,10 @@ class KVCacheEngine:
     absent). ``extend`` and ``attend`` need a model with ``QueryModel``'s methods. ``release``
     frees the request's main sequence and every branch.
 
-    KV capacity comes from ``kv_cache_bytes`` (or ``num_blocks``). When the pool cannot hold a
-    step, the step waits (the loop resubmits it) while others make progress; a forward in which
-    nothing fits raises ``KVCacheFull``. ``compile`` wraps the model's forward in
+    KV capacity comes from ``kv_cache_bytes`` (or ``num_blocks``). Admission is the shared rule
+    of ``engines/kv/admission.py``: a step the pool cannot hold now waits (``WAIT``) while
+    others make progress; one that could never fit, or the newest of requests that all wait on
+    each other, fails alone with ``KVCacheFull``. ``compile`` wraps the model's forward in
     ``torch.compile`` (a backend name, or True for the default); off by default.
 
     Raises:
@@ -135,6 +145,11 @@ class KVCacheEngine:
             block_size=block_size,
             device=self.device,
             owner="KVCacheEngine",
+        )
+        self.admission = Admission(
+            self.allocator,
+            owner=_owner,
+            remedy="give the engine a larger kv_cache_bytes or lower the concurrency",
         )
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
         self.model = model
@@ -180,15 +195,17 @@ class KVCacheEngine:
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
         """Compute the pending tokens of every step that fits in the KV cache in one model
-        forward, then sample for each step that has none left.
+        forward (query steps in one non-causal forward per op), then sample for each token step
+        that has none left.
 
-        A step that does not fit now gets ``WAIT``; one that could never fit (or that is
+        Which steps get blocks is the shared admission rule (``engines/kv/admission.py``): a
+        step that does not fit now gets ``WAIT``; one that could never fit (or that is
         preempted because every request holding memory is itself waiting for more) gets a
         ``KVCacheFull`` result, which fails that request alone.
 
         Raises:
             EngineError: an unknown op, a decode for a request that never prefilled, a step
-                without tokens.
+                without tokens, a query op on a model without query methods.
         """
         for step in steps:
             if step.op not in OPS:
@@ -197,70 +214,73 @@ class KVCacheEngine:
         for i, step in enumerate(steps):
             if step.op == "fork":
                 results[i] = self._fork(step)
-        token_idx = [i for i, s in enumerate(steps) if s.op in TOKEN_OPS]
-        if token_idx:
-            token_results = self._forward_tokens([steps[i] for i in token_idx])
-            for i, result in zip(token_idx, token_results, strict=True):
+        scratch: list[Hashable] = []
+        try:
+            work = self._demands(steps, results, scratch)
+            order = list(work)
+            verdict = self.admission.admit([work[i].demand for i in order])
+            admitted = [order[k] for k in verdict.admitted]
+            for i, result in zip(order, verdict.results, strict=True):
                 results[i] = result
-        for op in QUERY_OPS:
-            idx = [i for i, s in enumerate(steps) if s.op == op]
-            if idx:
-                batch = [steps[i] for i in idx]
-                for i, result in zip(idx, self._forward_queries(op, batch), strict=True):
-                    results[i] = result
+                if steps[i].op in TOKEN_OPS and (result is WAIT or isinstance(result, Exception)):
+                    self._undo_tokens(steps[i], work[i].before, failed=result is not WAIT)
+            if admitted:
+                with torch.inference_mode():
+                    self._run(steps, work, admitted, results)
+        finally:
+            for seq in scratch:
+                self.allocator.free(seq)
         return results
 
-    def _forward_tokens(self, steps: Sequence[Step]) -> list[StepResult]:
-        work = [self._admit_tokens(step) for step in steps]
-        admitted, results = self._fit(steps, work)
-        if admitted:
-            with torch.inference_mode():
-                sampled = self._run(steps, work, admitted)
-            for i, token in sampled.items():
-                results[i] = {"token": token}
-        return results
-
-    def _forward_queries(self, op: str, steps: Sequence[Step]) -> list[StepResult]:
-        """One forward of the query steps that are well formed; the others get their error."""
-        model = self._query_model()
-        results: list[StepResult] = [None] * len(steps)
-        good: list[int] = []
-        keys: list[Hashable] = []
+    def _demands(
+        self, steps: Sequence[Step], results: list[StepResult], scratch: list[Hashable]
+    ) -> dict[int, _Work]:
+        """What each token or query step asks of the pool (with a token step's tokens for
+        this forward); a malformed query step gets its error in ``results`` instead."""
+        work: dict[int, _Work] = {}
+        seen: set[Hashable] = set()
         for i, step in enumerate(steps):
             key = _key(step)
-            try:
-                model.query_length(step.inputs)
-            except EngineError as exc:
-                results[i] = exc
-                continue
-            if key not in self._sequences:
-                if op == "attend" or key != step.request_id:
-                    results[i] = EngineError(
-                        f"request {step.request_id}: {op} on sequence {_name(key)!r}, which "
-                        "does not exist; prefill or fork it first"
-                    )
+            if step.op in TOKEN_OPS:
+                if key in seen:  # admission defers it; its tokens are not taken yet
+                    work[i] = _Work(Demand(key, step.request_id, 0))
                     continue
-                self._new_sequence(key, GREEDY)
-            good.append(i)
-            keys.append(key)
-        if not good:
-            return results
-        with torch.inference_mode():
-            outputs = run_queries(
-                model,
-                op,
-                [steps[i] for i in good],
-                keys,
-                allocator=self.allocator,
-                copy_blocks=self.cache.copy_blocks,
-                plan=self.backend.plan,
-                attention=lambda meta: StepAttention(self.cache, self.backend, meta),
-                keep=op == "extend",
-                observe=self._observe_blocks,
-            )
-        for i, result in zip(good, outputs, strict=True):
-            results[i] = result
-        return results
+                seq = self._sequence_for(step)
+                before = None if seq.prefill is step else (list(seq.pending), seq.prefill)
+                tokens = self._admit_tokens(step, seq)
+                demand = Demand(key, step.request_id, len(tokens), len(seq.pending), step.op)
+                work[i] = _Work(demand, tokens, before)
+                seen.add(key)
+            elif step.op in QUERY_OPS:
+                query = self._query_demand(step, i, key, scratch)
+                if isinstance(query, EngineError):
+                    results[i] = query
+                else:
+                    work[i] = _Work(query)
+                    seen.add(query.seq)
+        return work
+
+    def _query_demand(
+        self, step: Step, index: int, key: Hashable, scratch: list[Hashable]
+    ) -> Demand | EngineError:
+        model = self._query_model()
+        try:
+            n = model.query_length(step.inputs)
+        except EngineError as exc:
+            return exc
+        if key not in self._sequences:
+            if step.op == "attend" or key != step.request_id:
+                return EngineError(
+                    f"request {step.request_id}: {step.op} on sequence {_name(key)!r}, which "
+                    "does not exist; prefill or fork it first"
+                )
+            self._new_sequence(key, GREEDY)
+        target: Hashable = key
+        if step.op == "attend":
+            target = ScratchKey(key, index, step.request_id)
+            self.allocator.fork(key, target)
+            scratch.append(target)
+        return Demand(target, step.request_id, n, n, step.op)
 
     def _query_model(self) -> QueryModel:
         if not isinstance(self.model, QueryModel):
@@ -300,26 +320,15 @@ class KVCacheEngine:
         return {"seq": name}
 
     def export_state(self, request_id: str) -> dict[str, Any] | None:
-        """Everything held for ``request_id`` (its KV, pending tokens, sampling state), then
-        release it here: the request's state moves to another engine (prefill on one rank,
-        decode on another). ``None`` if nothing is held.
+        """Everything held for ``request_id``'s main sequence (its KV, pending tokens, sampling
+        state), then release the request here: its state moves to another engine (prefill on
+        one rank, decode on another). ``None`` if nothing is held. Runs on the forward thread.
         """
         seq = self._sequences.get(request_id)
         if seq is None or not self.allocator.has(request_id):
             return None
-        n = self.allocator.num_tokens(request_id)
-        blocks = torch.tensor(self.allocator.block_table(request_id), device=self.device)
-        per_layer = [
-            torch.stack(
-                [
-                    cache.index_select(0, blocks).flatten(0, 1)[:n]
-                    for cache in (self.cache.key(layer), self.cache.value(layer))
-                ]
-            )
-            for layer in range(self.num_layers)
-        ]
         state = {
-            "kv": torch.stack(per_layer).cpu(),
+            "kv": read_sequence(self.allocator, self.cache, request_id),
             "pending": list(seq.pending),
             "sampling": seq.params,
             "generator": None if seq.generator is None else seq.generator.get_state(),
@@ -331,31 +340,19 @@ class KVCacheEngine:
         """Take over a request ``export_state`` gave away: allocate its KV and write it in.
 
         Raises:
-            KVCacheFull: this engine has no room for the request's KV.
+            KVCacheFull: this engine has no room for the request's KV (nothing changed).
             EngineError: the request is already held here.
         """
         if state is None:
             return
         if request_id in self._sequences:
             raise EngineError(f"request {request_id} is already held by this engine")
-        kv: torch.Tensor = state["kv"].to(self.device, self.spec.dtype)
-        n = kv.shape[2]
-        needed = -(-n // self.allocator.block_size)
-        if needed > self.allocator.num_free_blocks:
-            raise KVCacheFull(
-                f"no room for the {n} KV tokens of request {request_id}: {needed} blocks "
-                f"needed, {self.allocator.num_free_blocks} free"
-            )
+        write_sequence(self.allocator, self.cache, request_id, state["kv"])
         params: SamplingParams = state["sampling"]
         seq = _Sequence(params, make_generator(params.seed, self.device), list(state["pending"]))
         if seq.generator is not None and state["generator"] is not None:
             seq.generator.set_state(state["generator"])
         self._sequences[request_id] = seq
-        self.allocator.add(request_id)
-        plan = self.allocator.append(request_id, n)
-        slots = torch.tensor(plan.slots, device=self.device)
-        for layer in range(self.num_layers):
-            self.cache.write(layer, slots, kv[layer, 0], kv[layer, 1])
 
     def release(self, request_id: str) -> None:
         """Free the request's KV blocks (main sequence and branches) and sampling state;
@@ -365,9 +362,8 @@ class KVCacheEngine:
             if self.allocator.has(key):
                 self.allocator.free(key)
 
-    def _admit_tokens(self, step: Step) -> list[int]:
+    def _admit_tokens(self, step: Step, seq: _Sequence) -> list[int]:
         """The tokens this step computes now (its budget's worth of its pending tokens)."""
-        seq = self._sequence_for(step)
         if step.op == "prefill" and seq.prefill is not step:
             tokens = _token_list(step.inputs["tokens"])
             if not tokens:
@@ -398,52 +394,61 @@ class KVCacheEngine:
             self._branches.setdefault(key[0], set()).add(key)
         return seq
 
-    def _fit(
-        self, steps: Sequence[Step], work: list[list[int]]
-    ) -> tuple[list[int], list[StepResult]]:
-        """Which steps run now (all, usually), and the results of those that cannot."""
-        results: list[StepResult] = [None] * len(steps)
-        wanted: dict[Hashable, int] = {_key(s): len(w) for s, w in zip(steps, work, strict=True)}
-        if self.allocator.can_append_batch(wanted):
-            return list(range(len(steps))), results
-        admitted: list[int] = []
-        chosen: dict[Hashable, int] = {}
-        for i, step in enumerate(steps):
-            trial = {**chosen, _key(step): len(work[i])}
-            if self.allocator.can_append_batch(trial):
-                chosen, admitted = trial, [*admitted, i]
-            else:
-                results[i] = self._wait_or_fail(step)
-        if not admitted:
-            preempt_if_stuck(
-                self.allocator,
-                [_key(s) for s in steps],
-                [s.request_id for s in steps],
-                results,
-                unit="blocks",
-                remedy="give the engine a larger kv_cache_bytes or lower the concurrency",
-            )
-        return admitted, results
-
-    def _wait_or_fail(self, step: Step) -> StepResult:
-        capacity = self.allocator.num_blocks * self.allocator.block_size
+    def _undo_tokens(
+        self, step: Step, before: tuple[list[int], Step | None] | None, *, failed: bool
+    ) -> None:
+        """A token step that did not run leaves no trace: should it be withdrawn, nothing of
+        it may reach the sequence's next step. A failed step that had begun drops the rest."""
         seq = self._sequences[_key(step)]
-        total = self.allocator.num_tokens(_key(step)) + len(seq.pending)
-        if total <= capacity:
-            return WAIT
-        return KVCacheFull(
-            f"request {step.request_id} needs KV for {total} tokens but the whole cache holds "
-            f"{capacity}; give the engine a larger kv_cache_bytes or send a shorter prompt"
-        )
+        if before is not None:
+            seq.pending, seq.prefill = before
+        elif failed:
+            seq.pending.clear()
+            seq.prefill = None
 
     def _run(
-        self, steps: Sequence[Step], work: list[list[int]], admitted: list[int]
-    ) -> dict[int, torch.Tensor]:
-        plans = self.allocator.append_batch({_key(steps[i]): len(work[i]) for i in admitted})
+        self,
+        steps: Sequence[Step],
+        work: dict[int, _Work],
+        admitted: list[int],
+        results: list[StepResult],
+    ) -> None:
+        """Append every admitted step's tokens at once, then run the token forward and one
+        query forward per op; outputs go into ``results``."""
+        demands = [work[i].demand for i in admitted]
+        plans = self.allocator.append_batch({d.seq: d.now for d in demands})
         self._observe_blocks()
         self.cache.copy_blocks([c for plan in plans for c in plan.copies])
+        by_step = dict(zip(admitted, plans, strict=True))
+        tokens = [i for i in admitted if steps[i].op in TOKEN_OPS]
+        if tokens:
+            sampled = self._run_tokens(steps, work, tokens, [by_step[i] for i in tokens])
+            for i, token in sampled.items():
+                results[i] = {"token": token}
+        for op in QUERY_OPS:
+            chosen = [i for i in admitted if steps[i].op == op]
+            if chosen:
+                outputs = run_queries(
+                    self._query_model(),
+                    op,
+                    [steps[i].inputs for i in chosen],
+                    [by_step[i] for i in chosen],
+                    allocator=self.allocator,
+                    plan=self.backend.plan,
+                    attention=lambda meta: StepAttention(self.cache, self.backend, meta),
+                )
+                for i, out in zip(chosen, outputs, strict=True):
+                    results[i] = out
+
+    def _run_tokens(
+        self,
+        steps: Sequence[Step],
+        work: dict[int, _Work],
+        admitted: list[int],
+        plans: list[AppendPlan],
+    ) -> dict[int, torch.Tensor]:
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
-        flat = [t for i in admitted for t in work[i]]
+        flat = [t for i in admitted for t in work[i].tokens]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self._forward(input_ids, StepAttention(self.cache, self.backend, meta))
         finishing: list[int] = []
@@ -451,8 +456,8 @@ class KVCacheEngine:
         end = 0
         for i in admitted:
             seq = self._sequences[_key(steps[i])]
-            end += len(work[i])
-            del seq.pending[: len(work[i])]
+            end += len(work[i].tokens)
+            del seq.pending[: len(work[i].tokens)]
             if not seq.pending:
                 seq.prefill = None
                 finishing.append(i)
@@ -463,6 +468,14 @@ class KVCacheEngine:
         seqs = [self._sequences[_key(steps[i])] for i in finishing]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return {i: tokens[k] for k, i in enumerate(finishing)}
+
+
+def _owner(seq: Hashable) -> str:
+    """The request an allocator sequence belongs to: its main sequence, a branch or a scratch
+    fork."""
+    if isinstance(seq, ScratchKey):
+        return seq.request_id
+    return str(seq[0]) if isinstance(seq, tuple) else str(seq)
 
 
 def _key(step: Step) -> Hashable:

@@ -91,6 +91,11 @@ class PrefixModel(Protocol):
         """Where the model's tensors live (an imported prefix is moved there)."""
         ...
 
+    def step_tokens(self, op: str, inputs: Mapping[str, Any]) -> int:
+        """Tokens one step of ``op`` (``prefix`` or a suffix op) with these inputs runs: the
+        scheduler's token budget and forward-time bound count them."""
+        ...
+
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         """One ``PrefixKV`` per step's inputs."""
         ...
@@ -109,7 +114,7 @@ class PrefixCacheEngine:
     prefix of the same request replaces the first) and each of ``model.suffix_ops`` (the
     model's inputs -> its outputs; a request without a prefix fails that step alone).
     ``max_requests`` bounds how many prefixes are held: a prefix step beyond it waits (the
-    batching loop resubmits it) until some request releases its own.
+    scheduler parks it) until some request releases its own.
 
     Raises:
         ValueError: ``max_requests`` is below 1, or a suffix op is called ``prefix``.
@@ -144,8 +149,13 @@ class PrefixCacheEngine:
         return self._prefixes.get(request_id)
 
     def cost(self, step: Step) -> int:
-        """Every step finishes in one forward."""
-        return 1
+        """The tokens the model counts for the step (its prefix, or its suffix tokens); a
+        step always runs whole, in one forward.
+
+        Raises:
+            what the model's ``step_tokens`` raises for bad inputs.
+        """
+        return max(1, int(self.model.step_tokens(step.op, step.inputs)))
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
         """Run each op once over its steps of this forward.

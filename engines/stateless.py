@@ -16,6 +16,9 @@ from mstar_async.errors import EngineError
 #: (or list) with one entry per step along dim 0.
 Op = Callable[..., Mapping[str, Any]]
 
+#: How many tokens one step of an op processes, from its inputs (for the scheduler's budget).
+TokenCount = Callable[[Mapping[str, Any]], int]
+
 
 class StatelessEngine:
     """Runs stateless ops in batches: stacks same-shaped tensor inputs, lists the rest.
@@ -28,6 +31,10 @@ class StatelessEngine:
     windows of codes): they are right-padded with the given value and stacked, and the op also
     receives ``<name>_lengths``, a long tensor of the true lengths, to build its mask from.
 
+    ``tokens`` maps an op to how many tokens one of its steps processes (from the step's
+    inputs), so the scheduler's token budget and forward-time bound count it; an op not named
+    there costs 1 per step. A step always runs whole: a stateless op cannot be split.
+
     Raises:
         ValueError: ``ops`` is empty.
     """
@@ -39,17 +46,24 @@ class StatelessEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         pad: Mapping[str, float] | None = None,
+        tokens: Mapping[str, TokenCount] | None = None,
     ) -> None:
         if not ops:
             raise ValueError("StatelessEngine: ops must name at least one op")
         self.ops = dict(ops)
+        self.tokens = dict(tokens or {})
         self.pad = dict(pad or {})
         self.device = torch.device(device)
         self.dtype = dtype
 
     def cost(self, step: Step) -> int:
-        """Every step finishes in one forward."""
-        return 1
+        """The tokens the op's ``tokens`` entry counts for this step (at least 1), else 1.
+
+        Raises:
+            what the op's token count raises for bad inputs.
+        """
+        count = self.tokens.get(step.op)
+        return 1 if count is None else max(1, int(count(step.inputs)))
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
         """Run each op once over all of its steps in ``steps``.
@@ -93,6 +107,13 @@ class StatelessEngine:
 
     def release(self, request_id: str) -> None:
         """Nothing to release: the engine keeps no per-request state."""
+
+    def export_state(self, request_id: str) -> None:
+        """Nothing to move: the engine keeps no per-request state."""
+        return None
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        """Nothing to take over: the engine keeps no per-request state."""
 
     def _collate(self, values: list[Any]) -> Any:
         first = values[0]

@@ -98,6 +98,7 @@ async def open_runtime(
     placement: Placement | None = None,
     max_batch_size: int = 256,
     max_batch_tokens: int = 512,
+    forward_time_bound_s: float = 0.1,
     launcher: Launcher | None = None,
 ) -> AsyncIterator[Runtime]:
     """Serve ``model`` until the block exits.
@@ -113,7 +114,9 @@ async def open_runtime(
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.
-    ``max_batch_size`` and ``max_batch_tokens`` bound one forward of an engine (see
+    ``max_batch_size``, ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward
+    of an engine (a long prefill is cut into chunks whose forward stays under the time bound, so
+    a cancel frees memory promptly; see
     ``WalkLoop``).
 
     Raises:
@@ -127,10 +130,14 @@ async def open_runtime(
         raise ValueError("a launcher starts worker ranks: pass a placement too")
     try:
         if placement is None:
-            async with _in_process(model, max_batch_size, max_batch_tokens) as runtime:
+            async with _in_process(
+                model, max_batch_size, max_batch_tokens, forward_time_bound_s
+            ) as runtime:
                 yield runtime
         else:
-            async with _with_workers(model, placement, max_batch_tokens, launcher) as runtime:
+            async with _with_workers(
+                model, placement, max_batch_tokens, forward_time_bound_s, launcher
+            ) as runtime:
                 yield runtime
     except BaseExceptionGroup as group:
         # The caller's own exception, not a group our task groups wrapped around it.
@@ -139,12 +146,17 @@ async def open_runtime(
 
 @asynccontextmanager
 async def _in_process(
-    model: Model, max_batch_size: int, max_batch_tokens: int
+    model: Model, max_batch_size: int, max_batch_tokens: int, forward_time_bound_s: float
 ) -> AsyncIterator[Runtime]:
     engines = {}
     for name, factory in model.components.items():
         engines[name] = await anyio.to_thread.run_sync(factory)
-    batching = WalkLoop(engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+    batching = WalkLoop(
+        engines,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        forward_time_bound_s=forward_time_bound_s,
+    )
     log.info("runtime.open", model=model.name, engines=sorted(engines))
     async with anyio.create_task_group() as tg:
         await tg.start(batching.run)
@@ -158,7 +170,11 @@ async def _in_process(
 
 @asynccontextmanager
 async def _with_workers(
-    model: Model, placement: Placement, max_batch_tokens: int, launcher: Launcher | None
+    model: Model,
+    placement: Placement,
+    max_batch_tokens: int,
+    forward_time_bound_s: float,
+    launcher: Launcher | None,
 ) -> AsyncIterator[Runtime]:
     resolved = placement.validate(model)
     if model.source is None:
@@ -169,7 +185,11 @@ async def _with_workers(
     engines_on = {rank: resolved.engines_on(rank) for rank in range(resolved.ranks)}
     log.info("runtime.open", model=model.name, ranks=resolved.ranks)
     async with WorkerPool(
-        model.source, engines_on, max_batch_tokens=max_batch_tokens, launcher=launcher
+        model.source,
+        engines_on,
+        max_batch_tokens=max_batch_tokens,
+        forward_time_bound_s=forward_time_bound_s,
+        launcher=launcher,
     ) as pool:
         executor = PlacedExecutor(resolved, pool)
         async with StepwiseWalks(executor) as stepwise:

@@ -59,6 +59,7 @@ class WorkerConfig:
     parent_pid: int
     threads: int = 1
     max_batch_tokens: int = 512
+    forward_time_bound_s: float = 0.1
     log_level: str = "WARNING"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -94,7 +95,11 @@ async def serve(config: WorkerConfig) -> None:
     register_wire_types()
     model = ModelSource(**config.source).build()
     engines = {name: model.components[name]() for name in config.engines}
-    batching = WalkLoop(engines, max_batch_tokens=config.max_batch_tokens)
+    batching = WalkLoop(
+        engines,
+        max_batch_tokens=config.max_batch_tokens,
+        forward_time_bound_s=config.forward_time_bound_s,
+    )
     with ZmqHub() as hub:
         link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
         peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint)

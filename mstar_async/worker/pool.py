@@ -118,6 +118,7 @@ class WorkerPool:
         *,
         threads: int | None = None,
         max_batch_tokens: int = 512,
+        forward_time_bound_s: float = 0.1,
         ready_timeout: float = 180.0,
         stop_timeout: float = 10.0,
         log_level: str = "WARNING",
@@ -129,6 +130,7 @@ class WorkerPool:
         # participant, or a lone worker's torch threads would spin against it for the cores.
         self.threads = threads or max(1, (os.cpu_count() or 1) // (len(self.ranks) + 1))
         self.max_batch_tokens = max_batch_tokens
+        self.forward_time_bound_s = forward_time_bound_s
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.log_level = log_level
@@ -221,6 +223,7 @@ class WorkerPool:
             parent_pid=os.getpid(),
             threads=self.threads,
             max_batch_tokens=self.max_batch_tokens,
+            forward_time_bound_s=self.forward_time_bound_s,
             log_level=self.log_level,
         )
         state.worker = await self.launcher.start(config)

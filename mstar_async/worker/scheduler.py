@@ -2,7 +2,7 @@
 one forward per engine, and what becomes of each step's outcome.
 
 Pure: no asyncio, no threads, no sockets; torch only through the engines. A driver (the asyncio
-``BatchingLoop``, or an interpreter on a scheduler thread) submits jobs, cancels and releases
+``WalkLoop``) submits jobs, cancels and releases
 requests, and runs rounds: ``take`` chooses, ``forward`` runs the engines (it may run on another
 thread), ``finish`` resolves. The rules of a round:
 
@@ -69,9 +69,10 @@ class Batch:
 
     engine: str
     jobs: list[Job]
+    costs: list[int] = field(default_factory=list)  # each job's cost when it was chosen
     outcomes: list[StepResult] = field(default_factory=list)
     ran: int = 0  # steps that went through ``engine.forward`` (state moves do not)
-    tokens: int = 0
+    tokens: int = 0  # tokens the forward computed
     seconds: float = 0.0
 
 
@@ -173,7 +174,8 @@ class Scheduler:
         self._parked: list[Job] = []
         self._in_flight: set[Job] = set()
         self._withdrawn: set[Job] = set()
-        self._holders: dict[str, set[str]] = {}  # engine -> requests run there, not released
+        self._whole: set[tuple[str, str]] = set()  # (engine, op) whose steps never split
+        self._holders: dict[str, set[str]] = {}  # engine -> requests that ran there, not released
 
     @property
     def has_work(self) -> bool:
@@ -218,9 +220,10 @@ class Scheduler:
         return True
 
     def cancel(self, request_id: str) -> list[Job]:
-        """Remove ``request_id``'s queued and parked jobs and return them, oldest first. Its
-        jobs in a forward now are not returned: their outcomes are dropped at ``finish``. The
-        request still holds its engines' memory until ``release``."""
+        """Remove ``request_id``'s queued and parked jobs and return them (queued ones first,
+        each group in order). Its jobs in a forward now are not returned: their outcomes are
+        dropped at ``finish``. The request still holds its engines' memory until ``release``.
+        Never raises."""
         removed = [j for j in (*self._queue, *self._parked) if j.step.request_id == request_id]
         for job in removed:
             self.withdraw(job)
@@ -326,10 +329,16 @@ class Scheduler:
 
     def _choose(self, name: str, candidates: list[Job]) -> Batch:
         """One-token steps first, then longer ones with the tokens left (within the time
-        bound's grant, but never below the one-token steps or one token for a long step)."""
+        bound's grant, but never below the one-token steps or one token for a long step).
+
+        Steps of an op the engine runs whole whatever their budget (seen once finishing on
+        less) are held to ``max_batch_tokens`` only: a smaller grant would not shorten their
+        forward, it would only split a batch that belongs together (guidance branches).
+        """
         engine = self.engines[name]
         costs = [1 if j.step.op in _MOVES else _cost(engine, j.step) for j in candidates]
         chosen: list[Job] = []
+        chosen_costs: list[int] = []
         tokens = 0
         limit = self.max_batch_tokens
         for short in (True, False):
@@ -338,13 +347,15 @@ class Scheduler:
             for job, cost in zip(candidates, costs, strict=True):
                 if (cost == 1) != short:
                     continue
-                grant = min(cost, limit - tokens)
+                whole = (name, job.step.op) in self._whole
+                grant = min(cost, (self.max_batch_tokens if whole else limit) - tokens)
                 if grant < 1 or len(chosen) >= self.max_batch_size:
                     break
                 job.step.budget = grant
                 tokens += grant
                 chosen.append(job)
-        return Batch(name, chosen, [None] * len(chosen))
+                chosen_costs.append(cost)
+        return Batch(name, chosen, chosen_costs, [None] * len(chosen))
 
     def _long_limit(self, name: str, tokens: int) -> int:
         timer = self.timers.get(name)
@@ -367,9 +378,9 @@ class Scheduler:
             results = [exc] * len(steps)
         batch.seconds = self.clock() - started
         batch.ran = len(steps)
-        batch.tokens = sum(max(1, s.budget) for s in steps)
         for k, result in zip(run, results, strict=True):
             batch.outcomes[k] = result
+            batch.tokens += _computed(batch.costs[k], batch.jobs[k].step.budget, result)
 
     def _account(self, batch: Batch) -> None:
         if not batch.ran:
@@ -377,9 +388,20 @@ class Scheduler:
         self.stats.forwards += 1
         self.stats.steps += batch.ran
         self.stats.batch_sizes[batch.ran] += 1
-        self.timers.setdefault(batch.engine, ForwardTimer()).observe(batch.tokens, batch.seconds)
+        if batch.tokens:
+            timer = self.timers.setdefault(batch.engine, ForwardTimer())
+            timer.observe(batch.tokens, batch.seconds)
+        for job, cost, outcome in zip(batch.jobs, batch.costs, batch.outcomes, strict=True):
+            if isinstance(outcome, dict) and job.step.budget < cost:
+                self._whole.add((batch.engine, job.step.op))
+        # A step that waited took nothing (engines allocate only for steps that run), so only
+        # a request whose step ran may hold memory a release of it would free.
         holders = self._holders.setdefault(batch.engine, set())
-        holders.update(job.step.request_id for job in batch.jobs)
+        holders.update(
+            job.step.request_id
+            for job, outcome in zip(batch.jobs, batch.outcomes, strict=True)
+            if outcome is not WAIT
+        )
 
     def _stalled(
         self, name: str, jobs: list[Job], done: list[tuple[Job, Outcome]], again: list[Job]
@@ -402,6 +424,15 @@ def _cost(engine: Engine, step: Step) -> int:
         return max(1, int(engine.cost(step)))
     except Exception:
         return 1  # the forward reports the step's error
+
+
+def _computed(cost: int, budget: int, result: StepResult) -> int:
+    """Tokens a step computed in a forward, for its timing: a finished step did all it had
+    left (a step that cannot be split runs whole, whatever its budget); an unfinished one its
+    budget; a waiting one nothing."""
+    if result is WAIT:
+        return 0
+    return cost if isinstance(result, dict) else min(cost, budget)
 
 
 def _move_state(engine: Engine, step: Step) -> StepResult:

@@ -86,8 +86,9 @@ class WalkLoop:
     """Runs walks and steps on one worker's engines in continuous batches.
 
     Start ``run()`` in a task group; then, from the same event loop, ``start_walk`` runs a walk
-    here and ``submit`` runs a single step (for walks that span ranks). ``max_batch_size`` and
-    ``max_batch_tokens`` bound one forward of an engine (see ``Scheduler``).
+    here and ``submit`` runs a single step (for walks that span ranks). ``max_batch_size``,
+    ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward of an engine (see
+    ``Scheduler``: a long prefill is cut into chunks whose forward stays under the bound).
 
     Raises:
         ValueError: a limit is below 1.
@@ -99,11 +100,15 @@ class WalkLoop:
         *,
         max_batch_size: int = 256,
         max_batch_tokens: int = 512,
+        forward_time_bound_s: float = 0.1,
         inline_below_s: float = INLINE_BELOW_S,
         slice_s: float = SLICE_S,
     ) -> None:
         self.scheduler = Scheduler(
-            engines, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens
+            engines,
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            forward_time_bound_s=forward_time_bound_s,
         )
         #: The engines by name: the scheduler's own mapping, so a swapped-in engine is used.
         self.engines = self.scheduler.engines
@@ -186,9 +191,14 @@ class WalkLoop:
             EngineError: the engine is unknown here, or the forward failed (its cause attached).
         """
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.scheduler.submit(Job(call.engine, Step(call.request_id, call.op, call.inputs), future))
+        job = Job(call.engine, Step(call.request_id, call.op, call.inputs), future)
+        self.scheduler.submit(job)
         self.kick()
-        return await future
+        try:
+            return await future
+        except BaseException:
+            self.scheduler.withdraw(job)
+            raise
 
     async def release(self, request_id: str) -> None:
         """The request is over: wait for the round in flight, drop its queued steps, and tell

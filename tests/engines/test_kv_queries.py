@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_async.engines.base import Step
+from mstar_async.engines.base import WAIT, Step
 from mstar_async.engines.kv import AttentionSpec, BatchLayout, TorchAttentionBackend
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.errors import EngineError, KVCacheFull
@@ -131,20 +131,38 @@ def test_fork_and_attend_report_bad_use() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_attend_waits_for_memory_and_fails_when_it_never_fits() -> None:
+def test_attend_waits_while_another_request_holds_memory() -> None:
+    engine, _ = _engine(num_blocks=4)
+    engine.forward([Step("r", "prefill", {"tokens": list(range(20))})])
+    engine.forward([Step("q", "prefill", {"tokens": list(range(20))})])
+    engine.forward([Step("r", "fork", {"seq": "a"})])
+    # Its partial block's copy and one more block: 2 needed, none free, but q may release 2.
+    (waiting,) = engine.forward([_attend("r", "a")])
+    assert waiting is WAIT and engine.blocks_in_use == 4  # the scratch fork is gone
+    engine.release("q")
+    (ran,) = engine.forward([_attend("r", "a")])
+    assert isinstance(ran, dict) and engine.blocks_in_use == 2
+    engine.release("r")
+    assert engine.blocks_in_use == 0 and len(engine.allocator) == 0
+
+
+@pytest.mark.timeout(30)
+def test_attend_that_never_fits_next_to_its_own_prefix_fails_naming_the_sizes() -> None:
     engine, _ = _engine(num_blocks=3)
     engine.forward([Step("r", "prefill", {"tokens": list(range(20))})])
     engine.forward([Step("r", "fork", {"seq": "a"}), Step("r", "fork", {"seq": "b"})])
     results = engine.forward([_attend("r", "a"), _attend("r", "b")])
-    # One branch fits next to the 2-block prompt (needs its partial block's copy and one more:
-    # 2 blocks, 1 free) -- neither does, so both wait, and the scratch forks are gone.
-    assert [type(r).__name__ for r in results] == ["Wait", "Wait"]
+    # 36 tokens would fit 3 blocks, but the prompt's 2 blocks stay held by r's own sequences:
+    # 1 block can ever be free and each attend needs 2, so waiting would never end.
+    for result in results:
+        assert isinstance(result, KVCacheFull)
+        assert "attend needs 2 more blocks for 16 tokens but only 1 of the cache's 3" in str(result)
     assert engine.blocks_in_use == 2
     engine.release("r")
     engine.forward([Step("s", "prefill", {"tokens": list(range(40))})])
     engine.forward([Step("s", "fork", {"seq": "a"})])
     (full,) = engine.forward([_attend("s", "a")])
-    assert type(full).__name__ == "KVCacheFull"
+    assert isinstance(full, KVCacheFull) and "needs KV for 56 tokens" in str(full)
 
 
 class _Toy(torch.nn.Module):

@@ -34,6 +34,9 @@ class SumModel:
     suffix_ops = frozenset({"total"})
     device = torch.device("cpu")
 
+    def step_tokens(self, op: str, inputs: Mapping[str, Any]) -> int:
+        return int(inputs["tokens"].shape[0]) if op == "prefix" else 1
+
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         out = []
         for inputs in batch:
@@ -88,6 +91,12 @@ def test_export_moves_a_prefix_to_another_engine() -> None:
     assert int(target.forward([Step("a", "total", {"add": 0})])[0]["total"]) == 6  # type: ignore[index]
     with pytest.raises(EngineError, match="already held"):
         target.import_state("a", state)
+
+
+def test_cost_is_the_tokens_the_model_counts() -> None:
+    engine = PrefixCacheEngine(SumModel())
+    assert engine.cost(prefix_step("a", *range(1000))) == 1000
+    assert engine.cost(Step("a", "total", {"add": 0})) == 1
 
 
 def test_a_second_prefix_replaces_the_first() -> None:

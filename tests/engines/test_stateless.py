@@ -85,3 +85,18 @@ def test_errors_name_the_problem() -> None:
         engine.forward(steps("op", {"x": torch.ones(1)}, {"x": torch.ones(1)}))
     with pytest.raises(ValueError, match="ops must name at least one op"):
         StatelessEngine({})
+
+
+def test_cost_counts_the_tokens_an_op_declares_and_one_otherwise() -> None:
+    def ident(x: Any) -> dict[str, Any]:
+        return {"y": x}
+
+    engine = StatelessEngine({"decode": ident, "other": ident}, tokens={"decode": len_of_codes})
+    assert engine.cost(Step("r", "decode", {"codes": torch.zeros(28, 7)})) == 28
+    assert engine.cost(Step("r", "other", {"codes": torch.zeros(28, 7)})) == 1
+    assert engine.export_state("r") is None
+    engine.import_state("r", None)
+
+
+def len_of_codes(inputs: Any) -> int:
+    return int(inputs["codes"].shape[0])

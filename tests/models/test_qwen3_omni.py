@@ -271,10 +271,10 @@ async def test_bad_inputs_name_the_problem() -> None:
         build_model("qwen3-omni", size="huge")
 
 
-def test_embeds_engine_fails_a_step_that_does_not_fit_and_frees_on_release(
+def test_embeds_engine_waits_for_memory_fails_what_never_fits_and_frees_on_release(
     tokenizer: ChatTokenizer,
 ) -> None:
-    from mstar_async.engines.base import Step
+    from mstar_async.engines.base import WAIT, Step
     from mstar_async.errors import KVCacheFull
     from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
     from mstar_async.models.qwen3_omni.talker import predictor_ops
@@ -294,17 +294,65 @@ def test_embeds_engine_fails_a_step_that_does_not_fit_and_frees_on_release(
     first = engine.forward([Step("a", "prefill", {"context": context})])[0]
     assert isinstance(first, dict) and first["codes"].tolist() == [int(first["code"])]
     assert engine.blocks_in_use == 1
-    # A second request and a third row find no room; each fails alone.
+    # A second request waits for a's block; a third row of a could never fit.
     late = engine.forward(
         [
             Step("b", "prefill", {"context": context}),
             Step("a", "decode", {"code": first["code"], "codes": first["codes"]}),
         ]
     )
-    assert all(isinstance(r, KVCacheFull) for r in late)
+    assert late[0] is WAIT
+    assert isinstance(late[1], KVCacheFull) and "needs KV for 3 tokens" in str(late[1])
     # A fresh prefill of the same request drops its old sequence first.
     again = engine.forward([Step("a", "prefill", {"context": context})])[0]
     assert isinstance(again, dict) and engine.blocks_in_use == 1
     engine.release("a")
     engine.release("b")
     assert engine.blocks_in_use == 0
+
+
+def test_embeds_engine_splits_a_step_by_budget_and_moves_a_request_between_engines(
+    tokenizer: ChatTokenizer,
+) -> None:
+    from mstar_async.engines.base import Step
+    from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+    from mstar_async.models.qwen3_omni.talker import predictor_ops
+
+    parts, _ = _parts(tokenizer)
+    predictor = parts.talker.code_predictor
+    cfg = predictor.model.config
+
+    def engine() -> EmbedsKVEngine:
+        return EmbedsKVEngine(
+            predictor.model,
+            cfg.attention_spec(torch.float32),
+            predictor_ops(predictor),
+            num_layers=cfg.num_hidden_layers,
+            num_blocks=4,
+            block_size=2,
+        )
+
+    context = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole = engine()
+    first = whole.forward([Step("a", "prefill", {"context": context})])[0]
+    assert isinstance(first, dict)
+    decode = {"code": first["code"], "codes": first["codes"]}
+    expected = whole.forward([Step("a", "decode", decode)])[0]
+    # The same prefill one row per forward: it comes back once, then gives the same code.
+    split = engine()
+    step = Step("a", "prefill", {"context": context})
+    assert split.cost(step) == 2
+    step.budget = 1
+    assert split.forward([step]) == [None] and split.cost(step) == 1
+    again = split.forward([step])[0]
+    assert isinstance(again, dict) and torch.equal(again["codes"], first["codes"])
+    # Its KV and generator move to another engine, which decodes as the first one did.
+    state = split.export_state("a")
+    assert split.blocks_in_use == 0 and split.export_state("a") is None
+    target = engine()
+    target.import_state("a", state)
+    moved = target.forward([Step("a", "decode", decode)])[0]
+    assert isinstance(moved, dict) and isinstance(expected, dict)
+    assert torch.equal(moved["codes"], expected["codes"])
+    target.release("a")
+    assert target.blocks_in_use == 0

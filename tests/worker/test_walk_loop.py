@@ -145,5 +145,9 @@ async def test_leaving_a_request_frees_its_kv_on_the_worker(tiny_folder: Path) -
             assert (await pool.worker_stats(0))["kv_blocks"] > 0
         # aclose() has returned: the cancel and the release are on their way to the worker.
         with anyio.fail_after(10):
-            while (stats := await pool.worker_stats(0))["kv_blocks"] or stats["walks"]:
-                await anyio.sleep(0.005)
+            assert await settled(lambda: _held(pool), quiet=0.1) == 0
+
+
+async def _held(pool: Any) -> int:
+    stats = await pool.worker_stats(0)
+    return int(stats["kv_blocks"] + stats["walks"])

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from mstar_async.engines import StatelessEngine
-from mstar_async.engines.prefix_cache import PaddedPrefixes, PrefixCacheEngine, PrefixKV
+from mstar_async.engines.prefix_cache import (
+    PREFIX_OP,
+    PaddedPrefixes,
+    PrefixCacheEngine,
+    PrefixKV,
+)
 from mstar_async.errors import MstarError
 from mstar_async.graph import Edge, Loop, Model, Node, Sequential, Walk
 from mstar_async.models.pi05.config import Pi05Config, make_config
@@ -68,6 +73,17 @@ class PolicyCache:
     def device(self) -> torch.device:
         """Where the policy's weights live."""
         return self.policy.lm.embed_tokens.weight.device
+
+    def step_tokens(self, op: str, inputs: Mapping[str, Any]) -> int:
+        """A prefix's image and text tokens; 1 for a velocity step.
+
+        Why 1: a velocity step is the action loop's decode, one short expert pass per request;
+        counted by its action tokens, a budget would split the loop's batch over forwards
+        (16 requests of 50 actions are 800 tokens), and batching them all is the point.
+        """
+        if op == PREFIX_OP:
+            return int(inputs["image_tokens"].shape[0]) + int(inputs["tokens"].shape[0])
+        return 1
 
     def encode_prefix(self, batch: Sequence[Mapping[str, Any]]) -> list[PrefixKV]:
         """Per-layer keys and values of each step's ``image_tokens`` + ``tokens`` prefix."""

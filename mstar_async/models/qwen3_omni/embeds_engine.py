@@ -10,6 +10,9 @@ One forward runs every step of the batch, whatever its op: the rows of all steps
 flat, attention is planned per sequence, and each op's ``finish`` sees the final hidden state
 of its steps' last rows. An op marked ``fresh`` starts a new sequence on every call (the code
 predictor decodes each frame from scratch); a request's random generator outlives that reset.
+A step's rows are computed up to its token budget per forward (a long talker prompt is split
+over forwards), and whether they get KV blocks is the shared admission rule of
+``engines/kv/admission.py``: wait when memory is short, fail alone when it could never fit.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from mstar_async.engines.kv import (
     BatchLayout,
     select_attention_backend,
 )
+from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.cache import paged_storage
+from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
-from mstar_async.errors import EngineError, KVCacheFull
+from mstar_async.errors import EngineError
 
 __all__ = ["EmbedsKVEngine", "EmbedsOp", "Sampler"]
 
@@ -59,6 +64,12 @@ class EmbedsOp:
     ]
     fresh: bool = False
     cost: Callable[[Mapping[str, Any]], int] = lambda inputs: 1
+
+
+@dataclass
+class _Pending:
+    step: Step  # the step these rows belong to, so a resubmitted step is not embedded again
+    rows: torch.Tensor  # [n, hidden] not yet computed
 
 
 @dataclass(frozen=True)
@@ -109,9 +120,11 @@ class EmbedsKVEngine:
             owner="EmbedsKVEngine",
         )
         self.backend = select_attention_backend(self.device, spec)
+        self.admission = Admission(self.allocator)
         self.stack = stack
         self.ops = dict(ops)
         self._samplers: dict[str, Sampler] = {}
+        self._pending: dict[str, _Pending] = {}
 
     @property
     def blocks_in_use(self) -> int:
@@ -119,46 +132,105 @@ class EmbedsKVEngine:
         return self.allocator.num_used_blocks
 
     def cost(self, step: Step) -> int:
-        """Rows the step feeds (its prompt length, or 1)."""
+        """Rows the step still feeds (what is left of its prompt, or 1)."""
+        pending = self._pending.get(step.request_id)
+        if pending is not None and pending.step is step:
+            return max(1, int(pending.rows.shape[0]))
         op = self.ops.get(step.op)
         return 1 if op is None else max(1, op.cost(step.inputs))
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        """One forward over every step that fits in the KV cache.
+        """One forward over every step that gets KV blocks: up to its budget of its rows.
 
-        A step that does not fit gets a ``KVCacheFull`` result (that request alone fails).
+        A step with rows left after this forward gets ``None`` (come back); a step the pool
+        cannot hold now gets ``WAIT``; one that could never fit (or the newest of requests that
+        all wait on each other) gets ``KVCacheFull``, which fails that request alone. A second
+        step of a request in one forward waits its turn.
 
         Raises:
             EngineError: an unknown op, or an op's ``embed`` returning no rows.
         """
-        results: list[StepResult] = [None] * len(steps)
-        rows: dict[int, torch.Tensor] = {}
-        wanted: dict[str, int] = {}
+        demands: list[Demand] = []
+        chunks: list[int] = []
+        seen: set[str] = set()
         with torch.inference_mode():
-            for i, step in enumerate(steps):
-                op = self._op(step.op)
-                if op.fresh:
-                    self._drop_kv(step.request_id)
-                self._start(step)
-                x = op.embed(step.inputs)
-                if x.dim() != 2 or x.shape[0] == 0:
-                    raise EngineError(f"op {step.op!r} embedded its inputs as {tuple(x.shape)}")
-                trial = {**wanted, step.request_id: x.shape[0]}
-                if not self.allocator.can_append_batch(trial):
-                    results[i] = KVCacheFull(
-                        f"request {step.request_id}: no KV room for {x.shape[0]} more rows; "
-                        "give the engine a larger kv_cache_bytes or lower the concurrency"
-                    )
-                    continue
-                wanted, rows[i] = trial, x
-            if rows:
-                self._run(steps, rows, results)
-        return results
+            for step in steps:
+                rid = step.request_id
+                left = 0 if rid in seen else self._rows_left(step)
+                seen.add(rid)
+                chunks.append(min(left, step.budget) if step.budget else left)
+                demands.append(Demand(rid, rid, chunks[-1], left, step.op))
+            verdict = self.admission.admit(demands)
+            for i in verdict.failed:
+                self._pending.pop(steps[i].request_id, None)
+            if verdict.admitted:
+                self._run(steps, chunks, verdict.admitted, verdict.results)
+        return verdict.results
+
+    def export_state(self, request_id: str) -> dict[str, Any] | None:
+        """The request's KV (on the CPU) and sampling state, then release it here; ``None``
+        if nothing is held. Runs on the forward thread.
+
+        Raises:
+            EngineError: a step of the request is half computed.
+        """
+        if request_id in self._pending:
+            raise EngineError(f"request {request_id}: cannot move it while a step is running")
+        sampler = self._samplers.get(request_id)
+        if sampler is None:
+            return None
+        kv = None
+        if self.allocator.has(request_id):
+            kv = read_sequence(self.allocator, self.cache, request_id)
+        generator = sampler.generator
+        state = {
+            "kv": kv,
+            "sampling": sampler.params,
+            "generator": None if generator is None else generator.get_state(),
+        }
+        self.release(request_id)
+        return state
+
+    def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:
+        """Hold what ``export_state`` gave away.
+
+        Raises:
+            KVCacheFull: no room for its KV here (nothing changed).
+            EngineError: the request is already held here.
+        """
+        if state is None:
+            return
+        if request_id in self._samplers:
+            raise EngineError(f"request {request_id} is already held by this engine")
+        if state["kv"] is not None:
+            write_sequence(self.allocator, self.cache, request_id, state["kv"])
+        params: SamplingParams = state["sampling"]
+        generator = make_generator(params.seed, self.device)
+        if generator is not None and state["generator"] is not None:
+            generator.set_state(state["generator"])
+        self._samplers[request_id] = Sampler(params, generator)
 
     def release(self, request_id: str) -> None:
-        """Free the request's KV blocks and generator; idempotent."""
+        """Free the request's KV blocks, generator and any half-fed step; idempotent."""
         self._drop_kv(request_id)
         self._samplers.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    def _rows_left(self, step: Step) -> int:
+        """Rows of ``step`` not computed yet; embeds a new step (dropping the request's KV
+        first for a ``fresh`` op)."""
+        pending = self._pending.get(step.request_id)
+        if pending is None or pending.step is not step:
+            op = self._op(step.op)
+            if op.fresh:
+                self._drop_kv(step.request_id)
+            self._start(step)
+            x = op.embed(step.inputs)
+            if x.dim() != 2 or x.shape[0] == 0:
+                raise EngineError(f"op {step.op!r} embedded its inputs as {tuple(x.shape)}")
+            pending = _Pending(step, x.to(self.device))
+            self._pending[step.request_id] = pending
+        return int(pending.rows.shape[0])
 
     def _op(self, name: str) -> EmbedsOp:
         op = self.ops.get(name)
@@ -181,19 +253,29 @@ class EmbedsKVEngine:
             self._samplers[step.request_id] = Sampler(params, generator)
 
     def _run(
-        self, steps: Sequence[Step], rows: dict[int, torch.Tensor], results: list[StepResult]
+        self,
+        steps: Sequence[Step],
+        chunks: list[int],
+        order: list[int],
+        results: list[StepResult],
     ) -> None:
-        order = list(rows)
-        plans = self.allocator.append_batch({steps[i].request_id: rows[i].shape[0] for i in order})
+        plans = self.allocator.append_batch({steps[i].request_id: chunks[i] for i in order})
         self.cache.copy_blocks([c for plan in plans for c in plan.copies])
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
-        x = torch.cat([rows[i] for i in order]).to(self.device)
+        x = torch.cat([self._pending[steps[i].request_id].rows[: chunks[i]] for i in order])
         hidden = self.stack(x, StepAttention(self.cache, self.backend, meta))
-        ends = torch.cumsum(torch.tensor([rows[i].shape[0] for i in order]), 0) - 1
-        last = {i: hidden[int(end)] for i, end in zip(order, ends, strict=True)}
-        admitted = [steps[i] for i in order]
-        for op, group in group_by_op(admitted).items():
-            chosen = [order[g] for g in group]
+        last: dict[int, torch.Tensor] = {}
+        end = 0
+        for i in order:
+            end += chunks[i]
+            pending = self._pending[steps[i].request_id]
+            pending.rows = pending.rows[chunks[i] :]
+            if pending.rows.shape[0] == 0:
+                del self._pending[steps[i].request_id]
+                last[i] = hidden[end - 1]
+        finishing = list(last)
+        for op, group in group_by_op([steps[i] for i in finishing]).items():
+            chosen = [finishing[g] for g in group]
             outputs = self._op(op).finish(
                 torch.stack([last[i] for i in chosen]),
                 [steps[i].inputs for i in chosen],

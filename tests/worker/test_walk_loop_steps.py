@@ -1,4 +1,5 @@
-"""The batching loop: token budgets, chunked steps, cancellation, errors, release."""
+"""Single steps through a worker's batching loop (`WalkLoop.submit`, as walks that span ranks
+send them): token budgets, chunked steps, cancellation, errors, release."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
+import torch
 
-from mstar_async.engines import Step
-from mstar_async.errors import EngineError
+from mstar_async.engines import WAIT, Step, StepResult
+from mstar_async.engines.kv_engine import KVCacheEngine
+from mstar_async.errors import EngineError, KVCacheFull
+from mstar_async.models.bagel import bagel_config
+from mstar_async.models.bagel.mot import BagelLM
 from mstar_async.transport import StepCall
-from mstar_async.worker import BatchingLoop
+from mstar_async.worker.walk_loop import WalkLoop
 
 pytestmark = pytest.mark.anyio
 
@@ -47,7 +53,7 @@ def call(request_id: str, n: int, **extra: Any) -> StepCall:
     return StepCall(request_id, "lm", "step", {"n": n, **extra})
 
 
-async def run_calls(loop: BatchingLoop, calls: list[StepCall]) -> dict[str, Any]:
+async def run_calls(loop: WalkLoop, calls: list[StepCall]) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     async def one(c: StepCall) -> None:
@@ -68,7 +74,7 @@ async def run_calls(loop: BatchingLoop, calls: list[StepCall]) -> dict[str, Any]
 
 async def test_long_steps_are_chunked_and_short_steps_go_first() -> None:
     engine = CountingEngine()
-    loop = BatchingLoop({"lm": engine}, max_batch_tokens=8)
+    loop = WalkLoop({"lm": engine}, max_batch_tokens=8)
     calls = [call("prompt", 20), call("d1", 1), call("d2", 1), call("d3", 1)]
     results = await run_calls(loop, calls)
     assert results == {
@@ -85,7 +91,7 @@ async def test_long_steps_are_chunked_and_short_steps_go_first() -> None:
 
 async def test_batch_size_cap() -> None:
     engine = CountingEngine()
-    loop = BatchingLoop({"lm": engine}, max_batch_size=3)
+    loop = WalkLoop({"lm": engine}, max_batch_size=3)
     await run_calls(loop, [call(f"r{i}", 1) for i in range(7)])
     assert [len(f) for f in engine.forwards] == [3, 3, 1]
     assert loop.stats.max_batch == 3 and loop.stats.steps == 7
@@ -93,7 +99,7 @@ async def test_batch_size_cap() -> None:
 
 async def test_a_failing_forward_fails_its_steps_with_an_engine_error() -> None:
     engine = CountingEngine()
-    loop = BatchingLoop({"lm": engine})
+    loop = WalkLoop({"lm": engine})
     results = await run_calls(loop, [call("bad", 1, fail=True), call("good", 1)])
     assert isinstance(results["bad"], EngineError)
     assert str(results["bad"]) == "engine 'lm' failed: ValueError('boom')"
@@ -102,24 +108,102 @@ async def test_a_failing_forward_fails_its_steps_with_an_engine_error() -> None:
 
 
 async def test_unknown_engine_is_refused() -> None:
-    loop = BatchingLoop({"lm": CountingEngine()})
+    loop = WalkLoop({"lm": CountingEngine()})
     with pytest.raises(EngineError, match="no engine 'tts' on this worker"):
         await loop.submit(StepCall("r", "tts", "op", {}))
 
 
 async def test_cancelled_queued_step_leaves_the_queue() -> None:
     engine = CountingEngine()
-    loop = BatchingLoop({"lm": engine})
+    loop = WalkLoop({"lm": engine})
     with anyio.fail_after(10):
         with anyio.CancelScope() as scope:
             scope.cancel()
             await loop.submit(call("gone", 1))  # never taken: no loop is running
-    assert len(loop._queue) == 0
+    assert not loop.scheduler.has_work
     assert engine.forwards == []
 
 
 async def test_release_reaches_every_engine() -> None:
     a, b = CountingEngine(), CountingEngine()
-    loop = BatchingLoop({"a": a, "b": b})
+    loop = WalkLoop({"a": a, "b": b})
     await loop.release("r1")
     assert a.released == ["r1"] and b.released == ["r1"]
+
+
+class WaitingEngine(CountingEngine):
+    """Never has memory for anything."""
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:  # type: ignore[override]
+        return [WAIT for _ in steps]
+
+
+@pytest.mark.timeout(30)
+async def test_a_step_no_release_could_serve_fails_instead_of_hanging() -> None:
+    loop = WalkLoop({"lm": WaitingEngine()})
+    results = await run_calls(loop, [call("alone", 1)])
+    assert isinstance(results["alone"], KVCacheFull)
+    assert loop.scheduler.parked == []
+
+
+def _bagel_engine(num_blocks: int) -> KVCacheEngine:
+    lm = BagelLM(bagel_config("tiny"))
+    return KVCacheEngine(
+        lm, lm.language_model.attention_spec(), num_layers=2, num_blocks=num_blocks
+    )
+
+
+def _attend(request_id: str) -> StepCall:
+    latent = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    inputs = {"seq": "a", "latent": latent, "t": torch.tensor(0.5)}
+    return StepCall(request_id, "lm", "attend", inputs)
+
+
+def _prefill(request_id: str) -> StepCall:
+    return StepCall(request_id, "lm", "prefill", {"tokens": list(range(20))})
+
+
+@pytest.mark.timeout(60)
+async def test_an_attend_that_never_fits_beside_its_own_prefix_fails_within_a_deadline() -> None:
+    engine = _bagel_engine(num_blocks=3)
+    loop = WalkLoop({"lm": engine})
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run)
+            await loop.submit(_prefill("r"))
+            await loop.submit(StepCall("r", "lm", "fork", {"seq": "a"}))
+            with pytest.raises(KVCacheFull) as caught:
+                await loop.submit(_attend("r"))
+            assert "attend needs 2 more blocks for 16 tokens" in str(caught.value)
+            assert "only 1 of the cache's 3 blocks" in str(caught.value)
+            assert loop.scheduler.parked == []
+            await loop.release("r")
+            tg.cancel_scope.cancel()
+    assert engine.blocks_in_use == 0
+
+
+@pytest.mark.timeout(60)
+async def test_an_attend_parks_while_another_request_holds_memory_and_runs_after() -> None:
+    engine = _bagel_engine(num_blocks=4)
+    loop = WalkLoop({"lm": engine})
+    outputs: list[dict[str, Any]] = []
+    finished = anyio.Event()
+
+    async def attend() -> None:
+        outputs.append(await loop.submit(_attend("r")))
+        finished.set()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run)
+            await loop.submit(_prefill("r"))
+            await loop.submit(_prefill("q"))
+            await loop.submit(StepCall("r", "lm", "fork", {"seq": "a"}))
+            tg.start_soon(attend)
+            while not loop.scheduler.parked:  # the attend ran, got WAIT and was parked
+                await anyio.lowlevel.checkpoint()
+            assert outputs == [] and engine.blocks_in_use == 4
+            await loop.release("q")
+            await finished.wait()
+            tg.cancel_scope.cancel()
+    assert "velocity" in outputs[0] and engine.blocks_in_use == 2
