@@ -407,15 +407,23 @@ class _Plan:
 
 
 def _launcher(args: argparse.Namespace, placement: Placement | None) -> RemoteLauncher | None:
+    """The launcher ``--listen`` and ``--join`` ask for, or None.
+
+    Raises:
+        MstarError: one is given without what it needs, or a value is wrong.
+    """
     if args.listen is None:
         if args.join is not None:
             raise MstarError("--join needs --listen: the address the ranks join")
         return None
     if placement is None:
         raise MstarError("--listen needs --placement: its hosts: say which ranks join")
-    if args.join is not None:
-        return RemoteLauncher(args.listen, ranks=_ranks(args.join))
-    return RemoteLauncher.for_placement(placement, args.listen)
+    try:
+        if args.join is not None:
+            return RemoteLauncher(args.listen, ranks=_ranks(args.join))
+        return RemoteLauncher.for_placement(placement, args.listen)
+    except ValueError as exc:
+        raise MstarError(f"--join {args.join}: {exc}") from None
 
 
 def _build(entry: ModelEntry, options: dict[str, Any]) -> Model:

@@ -149,6 +149,18 @@ def test_path_options_are_checked_before_loading(
     assert "takes no --snac-path (models that do: orpheus)" in line
 
 
+def test_listen_and_join_are_checked_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    placement = str(Path(__file__).resolve().parents[2] / "examples/placements/codec_split.yaml")
+    listen = ["--placement", placement, "--listen", "tcp://127.0.0.1:5555"]
+    line = fails(["run", "demo", *listen, "--join", "-1"], capsys)
+    assert line == "mstar run: --join -1: ranks must be >= 0, got [-1]"
+    line = fails(["run", "demo", "--listen", "10.0.0.1", "--placement", placement], capsys)
+    assert "tcp://" in line
+    assert fails(["run", "demo", "--join", "1"], capsys) == (
+        "mstar run: --join needs --listen: the address the ranks join"
+    )
+
+
 def test_a_builder_option_out_of_range_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     line = fails(["run", "bagel", "--size", "huge"], capsys)
     expected = "cannot build bagel: unknown bagel size 'huge'; sizes: ['small', 'tiny']"
