@@ -10,11 +10,33 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
 
 _json_output = False
+#: Events dropped while ``muted`` blocks run.
+_muted: set[str] = set()
+
+
+def _drop_muted(logger: Any, method: str, event: structlog.typing.EventDict) -> Any:
+    if event.get("event") in _muted:
+        raise structlog.DropEvent
+    return event
+
+
+@contextmanager
+def muted(*events: str) -> Iterator[None]:
+    """Drop the events named ``events`` (e.g. ``"request.failed"``) while the block runs: for
+    a program that reports them itself, as ``mstar run`` reports a request's failure."""
+    added = set(events) - _muted
+    _muted.update(added)
+    try:
+        yield
+    finally:
+        _muted.difference_update(added)
 
 
 def _render(logger: Any, method: str, event: structlog.typing.EventDict) -> str:
@@ -35,6 +57,7 @@ def get_logger(name: str) -> Any:
         logging.getLogger(name),
         processors=[
             structlog.stdlib.filter_by_level,
+            _drop_muted,
             structlog.contextvars.merge_contextvars,
             structlog.processors.TimeStamper(fmt="iso"),
             _render,

@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve composite multimodal models: a graph of components plus walks.",
     )
     parser.add_argument(
-        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR"
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG, INFO, WARNING (default), ERROR",
     )
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of text")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

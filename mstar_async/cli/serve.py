@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,16 @@ from mstar_async.placement import Placement
 #: What ``mstar serve`` serves when given no model: a chat model and a speech model, so the
 #: text and speech routes answer out of the box (``--path`` alone serves causal-lm from it).
 DEFAULT_MODELS = ("causal-lm", "orpheus")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -34,7 +45,7 @@ def add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument(
         "--path",
-        help="checkpoint folder of the model (one model only; e.g. a Llama/Qwen2 HF folder "
+        help="a real checkpoint of the model (one model only; e.g. a Llama/Qwen2 HF folder "
         "for causal-lm)",
     )
     serve.add_argument(
@@ -48,7 +59,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     serve.add_argument(
         "--max-concurrent",
-        type=int,
+        type=_positive,
         default=None,
         metavar="N",
         help="requests in flight per model before 429 (default 64)",
@@ -75,30 +86,66 @@ def placements(models: list[str], options: list[str]) -> dict[str, Placement]:
     return out
 
 
+def check_port(host: str, port: int) -> None:
+    """Check that a server can listen on ``host:port`` now, before any model loads.
+
+    Raises:
+        MstarError: the port is out of range or taken, or ``host`` is no address here.
+    """
+    if not 0 <= port < 65536:
+        raise MstarError(f"--port {port}: expected 0 to 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:  # socket.gaierror included
+        raise MstarError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _specs(args: argparse.Namespace) -> list[Any]:
+    """The served models, checked and built (nothing printed).
+
+    Raises:
+        MstarError: a model, a placement, ``--path`` or the address is wrong.
+    """
+    from mstar_async.cli.run import build_options
+    from mstar_async.models import build_model, model_entry
+    from mstar_async.server import ModelSpec
+
+    if args.path is not None and len(args.models) != 1:
+        raise MstarError("--path is the checkpoint of one model: serve one model with it")
+    entries = [model_entry(name) for name in args.models]
+    options = [build_options(entry, args) for entry in entries]
+    where = placements(args.models, args.placement)
+    check_port(args.host, args.port)
+    specs = []
+    for entry, option in zip(entries, options, strict=True):
+        try:
+            model = build_model(entry.name, **option)
+        except (ValueError, TypeError, OSError) as exc:
+            raise MstarError(f"cannot build {entry.name}: {exc}") from None
+        specs.append(ModelSpec(model, placement=where.get(entry.name)))
+    return specs
+
+
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
-    from mstar_async.models import build_model
-    from mstar_async.server import DEFAULT_MAX_CONCURRENT, ModelSpec, create_app, serve
+    from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"
     if not args.models:
         args.models = ["causal-lm"] if args.path is not None else list(DEFAULT_MODELS)
     try:
-        if args.path is not None and len(args.models) != 1:
-            raise MstarError("--path is the checkpoint of one model: serve one model with it")
-        where = placements(args.models, args.placement)
-        options = {"path": args.path} if args.path is not None else {}
-        specs = []
-        for name in args.models:
-            say(f"building {name} ...")
-            specs.append(ModelSpec(build_model(name, **options), placement=where.get(name)))
         app = create_app(
-            specs,
+            _specs(args),
             max_concurrent=args.max_concurrent or DEFAULT_MAX_CONCURRENT,
             progress=lambda line: say(f"  {line}"),
         )
-    except (MstarError, ValueError, TypeError, OSError) as exc:
+    except (MstarError, ValueError) as exc:
         say(f"mstar serve: {exc}")
         return 2
     say(f"serving {', '.join(args.models)} at {url} once loaded (Ctrl-C stops)")

@@ -10,6 +10,12 @@ from mstar_async.models import orpheus as _orpheus  # noqa: F401  (registers "or
 from mstar_async.models import pi05 as _pi05  # noqa: F401  (registers "pi05")
 from mstar_async.models import qwen3_omni as _qwen3_omni  # noqa: F401  (registers "qwen3-omni")
 from mstar_async.models import vjepa2 as _vjepa2  # noqa: F401  (registers "vjepa2")
-from mstar_async.models.registry import ModelEntry, build_model, list_models, register
+from mstar_async.models.registry import (
+    ModelEntry,
+    build_model,
+    list_models,
+    model_entry,
+    register,
+)
 
-__all__ = ["ModelEntry", "build_model", "list_models", "register"]
+__all__ = ["ModelEntry", "build_model", "list_models", "model_entry", "register"]

@@ -206,9 +206,9 @@ async def test_checkpoint_folders_load_by_upstream_names_and_speak_the_same(
 def test_missing_checkpoint_files_are_named(tmp_path: Path) -> None:
     lm_dir, snac_dir = write_orpheus_folders(tmp_path)
     (snac_dir / "pytorch_model.bin").unlink()
-    model = build_model("orpheus", path=lm_dir, snac_path=snac_dir)
+    # Checked when the model is built, before any engine loads weights.
     with pytest.raises(CheckpointError, match="pytorch_model.bin is missing"):
-        model.components["snac"]()
+        build_model("orpheus", path=lm_dir, snac_path=snac_dir)
     (lm_dir / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
         build_model("orpheus", path=lm_dir)

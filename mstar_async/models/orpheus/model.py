@@ -31,6 +31,7 @@ from mstar_async.models.orpheus.snac_codec import (
     WINDOW,
     SnacWindowDecoder,
     build_snac,
+    check_snac_folder,
     load_snac,
 )
 from mstar_async.models.orpheus.text import byte_tokenizer, vocab_of
@@ -99,7 +100,11 @@ def _program(
     return program
 
 
-@register("orpheus", "Orpheus-style TTS: Llama LM over SNAC codes -> streaming 24 kHz speech")
+@register(
+    "orpheus",
+    "Orpheus-style TTS: Llama LM over SNAC codes -> streaming 24 kHz speech",
+    required=("text",),
+)
 def build_orpheus(
     size: str = "tiny",
     *,
@@ -146,6 +151,8 @@ def build_orpheus(
         device=device,
     )
     snac_folder = Path(snac_path) if snac_path is not None else None
+    if snac_folder is not None:
+        check_snac_folder(snac_folder)  # the weights load on the codec's worker, later
     codec = functools.partial(_snac_engine, vocab, snac_folder, snac_config, seed + 7)
     speak = DynamicLoop(
         "decode",

@@ -84,13 +84,13 @@ def build_snac(config: dict[str, Any], seed: int) -> Any:
         return snac(**config).eval()
 
 
-def load_snac(folder: str | Path) -> Any:
-    """SNAC from a local folder holding ``config.json`` and ``pytorch_model.bin`` (snac's names).
+def check_snac_folder(folder: str | Path) -> tuple[Path, Path]:
+    """The config and weights files of the SNAC folder ``folder`` (snac's names), checked to
+    exist without reading them.
 
     Raises:
-        CheckpointError: a file is missing or unreadable, or the weights do not fit the config.
+        CheckpointError: a file is missing.
     """
-    snac = _snac_class()
     folder = Path(folder)
     config_path, weights_path = folder / "config.json", folder / "pytorch_model.bin"
     for path in (config_path, weights_path):
@@ -99,6 +99,17 @@ def load_snac(folder: str | Path) -> Any:
                 f"{path} is missing: a SNAC folder holds config.json and pytorch_model.bin "
                 "(as in hubertsiuzdak/snac_24khz)"
             )
+    return config_path, weights_path
+
+
+def load_snac(folder: str | Path) -> Any:
+    """SNAC from a local folder holding ``config.json`` and ``pytorch_model.bin`` (snac's names).
+
+    Raises:
+        CheckpointError: a file is missing or unreadable, or the weights do not fit the config.
+    """
+    snac = _snac_class()
+    config_path, weights_path = check_snac_folder(folder)
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         model = snac(**config)

@@ -501,6 +501,7 @@ def _program(
 @register(
     "qwen3-omni",
     "Qwen3-Omni-style thinker -> talker + code predictor -> code2wav, text and 24 kHz speech",
+    required=("text",),
 )
 def build_qwen3_omni(
     path: str | Path | None = None,

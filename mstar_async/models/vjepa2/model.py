@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,14 +100,18 @@ def _program(cfg: VJEPA2Config) -> Callable[..., AsyncGenerator[Any, None]]:
 
 
 @register("vjepa2", "V-JEPA 2-AC world model: ViT encoder, then a KV-cached predictor rollout")
-def build_vjepa2(size: str = "tiny", **overrides: Any) -> Model:
-    """Build the world model at ``size`` (``tiny`` or ``small``); ``overrides`` set
-    ``VJEPA2Config`` fields (``seed=1``, ``kv_frames=512``).
+def build_vjepa2(size: str = "tiny", *, path: str | Path | None = None, **overrides: Any) -> Model:
+    """Build the world model at ``size`` (``tiny``, ``small``, or upstream's ``vitg``);
+    ``overrides`` set ``VJEPA2Config`` fields (``seed=1``, ``kv_frames=512``). ``path`` is an
+    upstream checkpoint file whose weights replace the seeded ones (the ``checkpoint`` field;
+    its size must match ``size``).
 
     Raises:
         ValueError: an unknown size or a bad override value.
         TypeError: an override names no ``VJEPA2Config`` field.
     """
+    if path is not None:
+        overrides["checkpoint"] = str(path)
     cfg = make_config(size, **overrides)
     frame_state = ["latent", "state", "index"]
     nodes = [
