@@ -10,6 +10,11 @@ A request may hold several sequences: its main one and named branches (``seq`` i
 model-defined query tokens (image latents, noisy actions) over a sequence's cached prefix and,
 in both directions, over each other; ``extend`` keeps their KV, ``attend`` writes it to scratch
 blocks of a throw-away fork and frees them when the forward ends (see ``engines/kv/queries.py``).
+
+KV state may outlive a request under a *handle* (a string): a session's sequence kept across
+turns (``retain`` / ``attach``) and named prefixes many requests fork from (``prefix``). A
+handle's blocks stay in the shared pool, counted against the budget, until it is dropped;
+prefix handles are also evicted, least recently used first, when admission needs room.
 """
 
 from __future__ import annotations
@@ -36,9 +41,27 @@ from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError
 
 GREEDY = SamplingParams(temperature=0.0)
-TOKEN_OPS = ("prefill", "decode")
+TOKEN_OPS = ("prefill", "decode", "prefix")  # "prefix" computes tokens only on a miss
 QUERY_OPS = ("extend", "attend")
-OPS = (*TOKEN_OPS, "fork", *QUERY_OPS)
+HANDLE_OPS = ("retain", "attach", "drop")
+OPS = (*TOKEN_OPS, "fork", *QUERY_OPS, *HANDLE_OPS)
+# A prefix being computed is a branch of the request computing it (so its release frees it and
+# admission counts it as that request's memory); the NUL keeps it apart from user branch names.
+_BUILD = "\x00prefix "
+
+
+@dataclass(frozen=True, slots=True)
+class HandleKey:
+    """The allocator key of a handle's sequence: no request owns it, only the handle."""
+
+    name: str
+
+
+@dataclass
+class _Handle:
+    kind: str  # "session" (never evicted) or "prefix" (evictable)
+    params: SamplingParams
+    used: int  # the engine's use counter when last created or hit: the LRU order
 
 
 class PagedModel(Protocol):
@@ -106,16 +129,32 @@ class KVCacheEngine:
       was prefilled gives an empty branch.
     - ``extend``: the model's query inputs -> the model's outputs; the new tokens' KV stays.
     - ``attend``: the same, but the new tokens' KV is dropped after the forward.
+    - ``retain``: ``handle`` -> ``{}``. When the request is released (whatever its outcome),
+      its sequence is kept under ``handle``, a *session* handle: its blocks stay, never
+      evicted, until ``drop_handle``. Retaining under an existing handle replaces it.
+    - ``attach``: ``handle``, optional ``sampling`` -> ``tokens`` (the handle's length, an
+      int). The sequence starts as a fork of the handle's (shared blocks, copy-on-write), so a
+      following ``prefill`` computes only the new turn's tokens. Fails alone with
+      ``EngineError`` for an unknown handle or a sequence that already holds tokens.
+    - ``prefix``: ``handle``, ``tokens``, optional ``sampling`` -> ``tokens`` (an int) and
+      ``hit`` (bool). A cached handle is forked into the sequence at no compute (a hit);
+      otherwise ``tokens`` are prefilled (chunked, admitted and budgeted like a prompt) into a
+      new evictable *prefix* handle, which is then forked into the sequence. Nothing is
+      sampled: the request's next ``prefill`` continues after the prefix.
+    - ``drop``: ``handle`` -> ``dropped`` (bool): ``drop_handle`` as a step.
 
-    Every op but ``fork`` takes an optional ``seq``: the branch it runs on (the main sequence if
-    absent). ``extend`` and ``attend`` need a model with ``QueryModel``'s methods. ``release``
-    frees the request's main sequence and every branch.
+    Every op but ``fork`` and ``drop`` takes an optional ``seq``: the branch it runs on (the main
+    sequence if absent). ``extend`` and ``attend`` need a model with ``QueryModel``'s methods.
+    ``release`` frees the request's main sequence and every branch, after keeping what it
+    ``retain``-ed.
 
     KV capacity comes from ``kv_cache_bytes`` (or ``num_blocks``). Admission is the shared rule
     of ``engines/kv/admission.py``: a step the pool cannot hold now waits (``WAIT``) while
     others make progress; one that could never fit, or the newest of requests that all wait on
-    each other, fails alone with ``KVCacheFull``. ``compile`` wraps the model's forward in
-    ``torch.compile`` (a backend name, or True for the default); off by default.
+    each other, fails alone with ``KVCacheFull``. Before a step waits, prefix handles are evicted
+    least recently used first (a hit or a creation is a use) until it fits; an evicted handle's
+    blocks still shared with live forks stay until those end. ``compile`` wraps the model's
+    forward in ``torch.compile`` (a backend name, or True for the default); off by default.
 
     Raises:
         ValueError: neither or both of ``kv_cache_bytes`` and ``num_blocks`` are given.
@@ -149,6 +188,7 @@ class KVCacheEngine:
         self.admission = Admission(
             self.allocator,
             owner=_owner,
+            evict=self._evict_one,
             remedy="give the engine a larger kv_cache_bytes or lower the concurrency",
         )
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
@@ -156,7 +196,46 @@ class KVCacheEngine:
         self._forward = _maybe_compile(model.forward, compile)
         self._sequences: dict[Hashable, _Sequence] = {}
         self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
+        self._handles: dict[str, _Handle] = {}
+        self._retained: dict[str, dict[Hashable, str]] = {}  # request -> its sequence -> handle
+        self._uses = 0
         self._peak_blocks = 0
+
+    @property
+    def handles(self) -> dict[str, tuple[str, int, int]]:
+        """Every handle -> (kind: ``"session"`` or ``"prefix"``, tokens, blocks it holds)."""
+        alloc = self.allocator
+        return {
+            name: (
+                h.kind,
+                alloc.num_tokens(HandleKey(name)),
+                len(alloc.block_table(HandleKey(name))),
+            )
+            for name, h in self._handles.items()
+        }
+
+    def drop_handle(self, handle: str) -> bool:
+        """Free ``handle``'s reference to its blocks (those still shared with live forks stay
+        until the forks end); return whether it existed. Never raises. Call it between forwards
+        (the forward thread, or the scheduler's when forwards run there); a scheduler with steps
+        parked for memory should then ``wake`` them."""
+        if self._handles.pop(handle, None) is None:
+            return False
+        self.allocator.free(HandleKey(handle))
+        return True
+
+    def _evict_one(self) -> bool:
+        """The admission rule's last resort before a step waits: drop the least recently used
+        prefix handle. Session handles are never evicted (a conversation cannot be recomputed
+        from what the engine holds)."""
+        prefixes = [(h.used, name) for name, h in self._handles.items() if h.kind == "prefix"]
+        if not prefixes:
+            return False
+        return self.drop_handle(min(prefixes)[1])
+
+    def _touch(self, handle: _Handle) -> None:
+        self._uses += 1
+        handle.used = self._uses
 
     @property
     def blocks_in_use(self) -> int:
@@ -180,10 +259,12 @@ class KVCacheEngine:
         """Tokens the step still has to compute: its prompt (what is left of it), an
         ``extend``/``attend`` step's query tokens (never split over forwards), or 1."""
         seq = self._sequences.get(_key(step))
-        if step.op == "prefill":
+        if step.op in ("prefill", "prefix"):
             if seq is not None and seq.prefill is step:
                 return max(1, len(seq.pending))
-            return max(1, len(_token_list(step.inputs["tokens"])))
+            if step.op == "prefix" and self._is_hit(step):
+                return 1
+            return max(1, len(_token_list(step.inputs.get("tokens", ()))))
         if step.op in QUERY_OPS:
             # The batching loop asks before any forward: a bad step costs 1 here and gets its
             # error from ``forward``, where it fails that request alone.
@@ -214,6 +295,10 @@ class KVCacheEngine:
         for i, step in enumerate(steps):
             if step.op == "fork":
                 results[i] = self._fork(step)
+            elif step.op in HANDLE_OPS:
+                results[i] = self._handle_op(step)
+            elif step.op == "prefix" and self._is_hit(step):
+                results[i] = self._prefix_hit(step)
         scratch: list[Hashable] = []
         try:
             work = self._demands(steps, results, scratch)
@@ -241,6 +326,8 @@ class KVCacheEngine:
         seen: set[Hashable] = set()
         for i, step in enumerate(steps):
             key = _key(step)
+            if results[i] is not None:
+                continue  # a handle op or a prefix hit, done without the pool
             if step.op in TOKEN_OPS:
                 if key in seen:  # admission defers it; its tokens are not taken yet
                     work[i] = _Work(Demand(key, step.request_id, 0))
@@ -319,6 +406,81 @@ class KVCacheEngine:
         self._branches.setdefault(step.request_id, set()).add(child)
         return {"seq": name}
 
+    def _handle_op(self, step: Step) -> StepResult:
+        """``retain``, ``attach`` and ``drop``: bookkeeping only, no memory taken."""
+        name = step.inputs.get("handle")
+        if not isinstance(name, str) or not name:
+            return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
+        if step.op == "drop":
+            return {"dropped": self.drop_handle(name)}
+        if step.op == "retain":
+            self._retained.setdefault(step.request_id, {})[_key(step)] = name
+            return {}
+        handle = self._handles.get(name)
+        if handle is None:
+            return EngineError(
+                f"request {step.request_id}: attach to handle {name!r}, which does not exist "
+                "(never retained, or dropped)"
+            )
+        return self._fork_handle(step, name, _key(step))
+
+    def _is_hit(self, step: Step) -> bool:
+        """Whether a ``prefix`` step finds its handle cached (and is not already computing it)."""
+        build = self._sequences.get(_key(step))
+        if build is not None and build.prefill is step:
+            return False
+        return str(step.inputs.get("handle")) in self._handles
+
+    def _prefix_hit(self, step: Step) -> StepResult:
+        name = str(step.inputs.get("handle"))
+        out = self._fork_handle(step, name, _target(step))
+        if isinstance(out, dict):
+            self._touch(self._handles[name])
+            return {"tokens": out["tokens"], "hit": True}
+        return out
+
+    def _prefix_built(self, step: Step) -> dict[str, Any] | EngineError:
+        """A ``prefix`` miss computed its last token: its build branch becomes the handle (a
+        fork and a free: no copy), then the request's sequence forks from it. Another request
+        may have built the same name meanwhile: that handle stays and this build is dropped."""
+        name = str(step.inputs.get("handle"))
+        build = _key(step)
+        if name not in self._handles:
+            params = self._sequences[build].params
+            self.allocator.fork(build, HandleKey(name))
+            self._handles[name] = _Handle("prefix", params, 0)
+        self._drop_sequence(build)
+        out = self._fork_handle(step, name, _target(step))
+        if isinstance(out, dict):
+            self._touch(self._handles[name])
+            return {"tokens": out["tokens"], "hit": False}
+        return out
+
+    def _fork_handle(self, step: Step, name: str, target: Hashable) -> dict[str, Any] | EngineError:
+        """Start ``target`` as a fork of handle ``name`` (shared blocks, no memory taken). An
+        empty ``target`` (a fork of a main sequence that held nothing) is replaced."""
+        current = self._sequences.get(target)
+        if current is not None and (current.pending or self.allocator.num_tokens(target)):
+            return EngineError(
+                f"request {step.request_id}: cannot {step.op} handle {name!r} onto sequence "
+                f"{_name(target)!r}, which already holds tokens"
+            )
+        params = step.inputs.get("sampling") or self._handles[name].params
+        if current is not None:
+            self.allocator.free(target)
+        self.allocator.fork(HandleKey(name), target)
+        self._sequences[target] = _Sequence(params, make_generator(params.seed, self.device))
+        if isinstance(target, tuple):
+            self._branches.setdefault(step.request_id, set()).add(target)
+        return {"tokens": self.allocator.num_tokens(target)}
+
+    def _drop_sequence(self, key: Hashable) -> None:
+        self._sequences.pop(key, None)
+        if self.allocator.has(key):
+            self.allocator.free(key)
+        if isinstance(key, tuple):
+            self._branches.get(str(key[0]), set()).discard(key)
+
     def export_state(self, request_id: str) -> dict[str, Any] | None:
         """Everything held for ``request_id``'s main sequence (its KV, pending tokens, sampling
         state), then release the request here: its state moves to another engine (prefill on
@@ -355,8 +517,15 @@ class KVCacheEngine:
         self._sequences[request_id] = seq
 
     def release(self, request_id: str) -> None:
-        """Free the request's KV blocks (main sequence and branches) and sampling state;
-        idempotent."""
+        """Keep the sequences the request retained under their handles, then free its KV blocks
+        (main sequence and branches) and sampling state; idempotent."""
+        for key, name in self._retained.pop(request_id, {}).items():
+            seq = self._sequences.get(key)
+            if seq is None or not self.allocator.has(key):
+                continue  # nothing was ever computed on it: there is nothing to keep
+            self.drop_handle(name)
+            self.allocator.fork(key, HandleKey(name))
+            self._handles[name] = _Handle("session", seq.params, 0)
         for key in [request_id, *self._branches.pop(request_id, ())]:
             self._sequences.pop(key, None)
             if self.allocator.has(key):
@@ -364,10 +533,10 @@ class KVCacheEngine:
 
     def _admit_tokens(self, step: Step, seq: _Sequence) -> list[int]:
         """The tokens this step computes now (its budget's worth of its pending tokens)."""
-        if step.op == "prefill" and seq.prefill is not step:
-            tokens = _token_list(step.inputs["tokens"])
+        if step.op in ("prefill", "prefix") and seq.prefill is not step:
+            tokens = _token_list(step.inputs.get("tokens", ()))
             if not tokens:
-                raise EngineError(f"request {step.request_id}: prefill got no tokens")
+                raise EngineError(f"request {step.request_id}: {step.op} got no tokens")
             seq.pending.extend(tokens)
             seq.prefill = step
         elif step.op == "decode":
@@ -378,6 +547,10 @@ class KVCacheEngine:
     def _sequence_for(self, step: Step) -> _Sequence:
         key = _key(step)
         seq = self._sequences.get(key)
+        if seq is not None and step.op == "prefix" and seq.prefill is not step:
+            # A build left over by an earlier step that failed: start this one afresh.
+            self._drop_sequence(key)
+            seq = None
         if seq is not None:
             return seq
         if step.op == "decode":
@@ -422,9 +595,9 @@ class KVCacheEngine:
         by_step = dict(zip(admitted, plans, strict=True))
         tokens = [i for i in admitted if steps[i].op in TOKEN_OPS]
         if tokens:
-            sampled = self._run_tokens(steps, work, tokens, [by_step[i] for i in tokens])
-            for i, token in sampled.items():
-                results[i] = {"token": token}
+            done = self._run_tokens(steps, work, tokens, [by_step[i] for i in tokens])
+            for i, out in done.items():
+                results[i] = out
         for op in QUERY_OPS:
             chosen = [i for i in admitted if steps[i].op == op]
             if chosen:
@@ -446,13 +619,16 @@ class KVCacheEngine:
         work: dict[int, _Work],
         admitted: list[int],
         plans: list[AppendPlan],
-    ) -> dict[int, torch.Tensor]:
+    ) -> dict[int, StepResult]:
+        """One token forward of the admitted steps; returns the outputs of those that finished:
+        a sampled ``token``, or a built prefix's ``tokens`` and ``hit``."""
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
         flat = [t for i in admitted for t in work[i].tokens]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self._forward(input_ids, StepAttention(self.cache, self.backend, meta))
         finishing: list[int] = []
         rows: list[int] = []
+        done: dict[int, StepResult] = {}
         end = 0
         for i in admitted:
             seq = self._sequences[_key(steps[i])]
@@ -460,28 +636,42 @@ class KVCacheEngine:
             del seq.pending[: len(work[i].tokens)]
             if not seq.pending:
                 seq.prefill = None
+                if steps[i].op == "prefix":
+                    done[i] = self._prefix_built(steps[i])
+                    continue
                 finishing.append(i)
                 rows.append(end - 1)
         if not finishing:
-            return {}
+            return done
         logits = self.model.compute_logits(hidden[rows]).float()
         seqs = [self._sequences[_key(steps[i])] for i in finishing]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return {i: tokens[k] for k, i in enumerate(finishing)}
+        done.update({i: {"token": tokens[k]} for k, i in enumerate(finishing)})
+        return done
 
 
-def _owner(seq: Hashable) -> str:
+def _owner(seq: Hashable) -> str | None:
     """The request an allocator sequence belongs to: its main sequence, a branch or a scratch
     fork."""
     if isinstance(seq, ScratchKey):
         return seq.request_id
+    if isinstance(seq, HandleKey):
+        return None
     return str(seq[0]) if isinstance(seq, tuple) else str(seq)
 
 
 def _key(step: Step) -> Hashable:
-    """The allocator key of the sequence a step runs on: the request id for its main sequence
-    (so a request without branches is keyed exactly as before), ``(request, name)`` for a
-    branch."""
+    """The allocator key of the sequence a step computes on: the request id for its main
+    sequence (so a request without branches is keyed exactly as before), ``(request, name)``
+    for a branch, and a ``prefix`` step's build branch."""
+    if step.op == "prefix":
+        return (step.request_id, _BUILD + str(step.inputs.get("handle")))
+    name = step.inputs.get("seq")
+    return step.request_id if not name else (step.request_id, str(name))
+
+
+def _target(step: Step) -> Hashable:
+    """The sequence a ``prefix`` step forks its handle into (``_key`` gives its build)."""
     name = step.inputs.get("seq")
     return step.request_id if not name else (step.request_id, str(name))
 

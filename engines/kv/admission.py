@@ -12,9 +12,14 @@ its request, the tokens it appends now and the tokens it still needs in all) and
    not shrink while one of its steps waits, so those blocks will never be free for it);
 3. a step whose tokens for this forward fit in the free blocks, beside those admitted before it,
    runs;
-4. any other step waits (``WAIT``) until some request releases memory;
-5. when nothing runs and every request holding blocks is among the waiters, nobody will ever
-   free any: the newest waiter is preempted with ``KVCacheFull`` so the others go on.
+4. a step that does not fit now first makes room by eviction: the engine's ``evict`` frees its
+   least recently used evictable holder (a named prefix), one at a time, until the step fits or
+   nothing evictable is left;
+5. any other step waits (``WAIT``) until some request releases memory;
+6. when nothing runs and every request holding blocks is among the waiters, nobody will ever
+   free any: the newest waiter is preempted with ``KVCacheFull`` so the others go on. Sequences
+   that no request owns (``owner`` gives ``None``: handles that outlive requests) are freed
+   only explicitly, so they never count as holders a release could free.
 
 Pure bookkeeping over :class:`PagedKVAllocator` (no torch).
 """
@@ -81,16 +86,20 @@ class Admission:
     """The admission rule over one engine's allocator.
 
     ``owner(seq)`` gives the request a live allocator sequence belongs to (branches and scratch
-    forks included). Messages count memory in ``unit`` (``tokens_per_unit`` tokens each) and
-    blocks as ``block_word``, and end with ``remedy``. Not thread-safe: call it from the
-    engine's forward, which the scheduler never runs concurrently.
+    forks included), or ``None`` for one no request owns. ``evict()`` frees one evictable
+    holder's blocks (least recently used first) and returns whether it found one; it is called
+    only when a step does not fit now (rule 4). Messages count memory in ``unit``
+    (``tokens_per_unit`` tokens each) and blocks as ``block_word``, and end with ``remedy``.
+    Not thread-safe: call it from the engine's forward, which the scheduler never runs
+    concurrently.
     """
 
     def __init__(
         self,
         allocator: PagedKVAllocator,
         *,
-        owner: Callable[[Hashable], str] = str,
+        owner: Callable[[Hashable], str | None] = str,
+        evict: Callable[[], bool] | None = None,
         unit: str = "tokens",
         tokens_per_unit: int = 1,
         block_word: str = "blocks",
@@ -98,13 +107,15 @@ class Admission:
     ) -> None:
         self.allocator = allocator
         self.owner = owner
+        self.evict = evict
         self.unit = unit
         self.tokens_per_unit = tokens_per_unit
         self.block_word = block_word
         self.remedy = remedy
 
     def admit(self, demands: Sequence[Demand]) -> Verdict:
-        """Decide every demand of one forward (see the module docstring); allocates nothing.
+        """Decide every demand of one forward (see the module docstring); allocates nothing,
+        but may free evictable holders through ``evict`` to make room.
 
         Raises:
             EngineError: a demand names a sequence the allocator does not hold, or a negative
@@ -130,7 +141,7 @@ class Admission:
                 failure = self._never_fits(d)
                 if failure is not None:
                     verdict.results[i] = failure
-                elif alloc.can_append_batch({**chosen, d.seq: d.now}):
+                elif self._fits_or_evicts({**chosen, d.seq: d.now}):
                     chosen[d.seq] = d.now
                     verdict.admitted.append(i)
                 else:
@@ -141,6 +152,15 @@ class Admission:
         if not verdict.admitted and waiting:
             self._preempt_if_stuck(demands, waiting, verdict.results)
         return verdict
+
+    def _fits_or_evicts(self, asks: dict[Hashable, int]) -> bool:
+        """Whether ``asks`` fit now, evicting one holder at a time until they do. Why here and
+        nowhere else: eviction is the last resort before waiting, so every engine on this rule
+        evicts in the same order and only when a step would otherwise wait."""
+        while not self.allocator.can_append_batch(asks):
+            if self.evict is None or not self.evict():
+                return False
+        return True
 
     def pinned(self, request_id: str) -> int:
         """Blocks held by any live sequence of ``request_id``, each counted once."""
@@ -180,6 +200,7 @@ class Admission:
     ) -> None:
         alloc = self.allocator
         holders = {self.owner(s) for s in alloc.seq_ids() if alloc.num_tokens(s) > 0}
+        holders.discard(None)  # handles: only an explicit drop frees them, never a release
         if holders <= {demands[i].request_id for i in waiting}:
             victim = waiting[-1]
             results[victim] = KVCacheFull(

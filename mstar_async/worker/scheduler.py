@@ -263,6 +263,11 @@ class Scheduler:
         job goes back to the front of the queue (memory may be free for it)."""
         for holders in self._holders.values():
             holders.discard(request_id)
+        self.wake()
+
+    def wake(self) -> None:
+        """Parked jobs go back to the front of the queue: memory was freed (a release, or an
+        engine's KV handle dropped outside any request)."""
         self._queue.extendleft(reversed(self._parked))
         self._parked.clear()
 

@@ -1,13 +1,17 @@
 """Hypothesis drives the scheduler, synchronously, over a real ``KVCacheEngine`` with a tiny
 seeded model and a pool of 8 blocks of 4 tokens: requests prefill (some longer than the whole
 pool), decode, fork, attend and extend on branches, and are cancelled and released at any time.
+They also keep KV beyond themselves: ``retain`` a session, ``attach`` to one, fork a named
+``prefix`` (computed on a miss, evicted least recently used), and handles are dropped at any
+time between rounds.
 
 After every rule: no block leaks (free + used == total, every held block belongs to a live
 request). After every drain (rounds until no job is runnable, at most ``ROUNDS``): each job has
 completed, failed with ``KVCacheFull`` or is parked; a parked job truly does not fit now, and
-someone a release could free holds memory; a job that could never fit has failed with
-``KVCacheFull`` rather than wait. Like a conductor, the machine releases a request whose step
-failed.
+someone a release could free holds memory, and no prefix handle is left that evicting could
+free; a job that could never fit has failed with ``KVCacheFull`` rather than wait. At teardown,
+after every request is released and every handle dropped, every block is free. Like a
+conductor, the machine releases a request whose step failed.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mstar_async.engines import Step
 from mstar_async.engines.kv import AttentionSpec
-from mstar_async.engines.kv_engine import KVCacheEngine
-from mstar_async.errors import KVCacheFull
+from mstar_async.engines.kv_engine import HandleKey, KVCacheEngine, _key
+from mstar_async.errors import EngineError, KVCacheFull
 from mstar_async.worker import Job, Scheduler
 
 BLOCKS, BLOCK_SIZE, VOCAB = 8, 4, 50
+# Named prefixes of 6 and 13 tokens (2 and 4 blocks) and one of 40 (10 blocks: never fits).
+PREFIXES = {"p0": 6, "p1": 13, "p2": 40}
 ROUNDS = 200
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
@@ -159,6 +165,41 @@ class SchedulerMachine(RuleBasedStateMachine):
             never = need > BLOCKS - self._pinned(request.rid)
             self._submit(request, "attend", {"x": x, **({"seq": seq} if seq else {})}, never)
 
+    @precondition(lambda self: self._ready())
+    @rule(data=st.data(), name=st.sampled_from(["s0", "s1"]))
+    def retain(self, data: st.DataObject, name: str) -> None:
+        self._submit(self._pick(data, self._ready()), "retain", {"handle": name}, False)
+
+    def _sessions(self) -> list[str]:
+        return sorted(h for h, (kind, _, _) in self.engine.handles.items() if kind == "session")
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data())
+    def attach(self, data: st.DataObject) -> None:
+        request = self._new_request()
+        handle = data.draw(st.sampled_from(self._sessions()))
+        self._submit(request, "attach", {"handle": handle}, False)
+
+    @rule(name=st.sampled_from(sorted(PREFIXES)))
+    def prefix(self, name: str) -> None:
+        request = self._new_request()
+        n = PREFIXES[name]
+        tokens = [(i * 7 + len(name)) % VOCAB for i in range(n)]
+        never = name not in self.engine.handles and -(-n // BLOCK_SIZE) > BLOCKS
+        self._submit(request, "prefix", {"handle": name, "tokens": tokens}, never)
+
+    @precondition(lambda self: self.engine.handles)
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        assert self.engine.drop_handle(data.draw(st.sampled_from(sorted(self.engine.handles))))
+        self.scheduler.wake()  # memory came free outside any release
+
+    def _new_request(self) -> Request:
+        self.serial += 1
+        request = Request(f"r{self.serial}")
+        self.requests[request.rid] = request
+        return request
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -193,6 +234,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.expect[job].never_fits, f"{what} can never fit but waits"
             assert not self._fits_now(job), f"{what} is parked while memory lets it run"
         if parked:
+            evictable = [h for h, (kind, _, _) in self.engine.handles.items() if kind == "prefix"]
+            assert not evictable, f"jobs are parked while prefixes {evictable} could be evicted"
             waiting = {job.step.request_id for job in parked}
             holders = {
                 r.rid
@@ -208,7 +251,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue  # its request failed by another step of this round and was released
             request = expect.request
             request.jobs.remove(job)
-            if isinstance(outcome, KVCacheFull):
+            if isinstance(outcome, KVCacheFull) or (
+                # its session was dropped between the submit and the forward
+                isinstance(outcome, EngineError) and job.step.op == "attach"
+            ):
                 self._release(request)  # a failed request is released, as a conductor does
                 continue
             assert isinstance(outcome, dict), f"{job.step.op} failed: {outcome!r}"
@@ -217,6 +263,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 request.token = int(outcome["token"])
             elif job.step.op == "fork":
                 request.branches.append(str(outcome["seq"]))
+            elif job.step.op in ("attach", "prefix"):
+                request.token = 1  # its sequence holds the handle's tokens: it may decode
 
     def _release(self, request: Request) -> None:
         self.scheduler.cancel(request.rid)
@@ -248,6 +296,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if step.op == "decode":
             return alloc.can_append(key, 1)
         pending = self.engine.cost(step)
+        key = _key(step)  # a prefix computes on its build branch
         return alloc.has(key) and alloc.can_append(key, min(step.budget or pending, pending))
 
     @invariant()
@@ -257,6 +306,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.alloc.check_invariants()
         assert self.alloc.num_free_blocks + self.alloc.num_used_blocks == BLOCKS
         for seq in self.alloc.seq_ids():
+            if isinstance(seq, HandleKey):
+                assert seq.name in self.engine.handles, f"handle {seq.name!r} outlived its drop"
+                continue
             owner = seq[0] if isinstance(seq, tuple) else seq
             assert owner in self.requests, f"sequence {seq!r} outlived its request"
 
@@ -265,6 +317,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         for request in list(self.requests.values()):
             self._release(request)
+        for handle in list(self.engine.handles):
+            self.engine.drop_handle(handle)
         assert self.alloc.num_used_blocks == 0 and len(self.alloc) == 0
         assert not self.scheduler.has_work and self.scheduler.parked == []
 
