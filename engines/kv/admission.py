@@ -146,9 +146,8 @@ class Admission:
                     verdict.admitted.append(i)
                 else:
                     verdict.results[i] = WAIT
+                    waiting.append(i)  # a sequence's first demand speaks for it
                 decided[d.seq] = verdict.results[i]
-            if verdict.results[i] is WAIT:
-                waiting.append(i)
         if not verdict.admitted and waiting:
             self._preempt_if_stuck(demands, waiting, verdict.results)
         return verdict
@@ -208,3 +207,7 @@ class Admission:
                 f"({alloc.num_blocks} {self.block_word}) is exhausted by requests that all "
                 f"need more; {self.remedy}"
             )
+            # Later demands of the victim's sequence follow its first one: not waiting.
+            for j in range(victim + 1, len(demands)):
+                if demands[j].seq == demands[victim].seq:
+                    results[j] = None
