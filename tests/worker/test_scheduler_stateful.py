@@ -213,6 +213,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         self._release(self._pick(data, list(self.requests.values())))
 
+    def _own_blocks(self, handle: str) -> int:
+        """Blocks only ``handle`` holds (evicting it frees exactly these)."""
+        alloc = self.engine.allocator
+        key = HandleKey(handle)
+        shared = {b for s in alloc.seq_ids() if s != key for b in alloc.block_table(s)}
+        return len(set(alloc.block_table(key)) - shared)
+
     # ------------------------------------------------------------------ running
 
     @precondition(lambda self: self.scheduler.has_work)
@@ -234,7 +241,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.expect[job].never_fits, f"{what} can never fit but waits"
             assert not self._fits_now(job), f"{what} is parked while memory lets it run"
         if parked:
-            evictable = [h for h, (kind, _, _) in self.engine.handles.items() if kind == "prefix"]
+            # A prefix whose blocks live forks share frees nothing when evicted: only one that
+            # holds a block of its own could make room.
+            evictable = [
+                h
+                for h, (kind, _, _) in self.engine.handles.items()
+                if kind == "prefix" and self._own_blocks(h)
+            ]
             assert not evictable, f"jobs are parked while prefixes {evictable} could be evicted"
             waiting = {job.step.request_id for job in parked}
             holders = {
