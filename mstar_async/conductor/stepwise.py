@@ -28,6 +28,7 @@ from mstar_async.walks import (
     WalkRun,
     WalkSink,
 )
+from mstar_async.walks.handle import RunningWalk
 
 
 class StepwiseWalks:
@@ -73,12 +74,12 @@ class StepwiseWalks:
         params: Mapping[str, Any],
         persisted: Mapping[PortRef, Any],
         sink: WalkSink,
-    ) -> StepwiseWalk:
+    ) -> RunningWalk:
         """Start the walk here (see ``WalkHost``). Never raises: errors reach ``sink``."""
         run = WalkRun(plan, request_id, inputs, params, persisted, self.trampoline, sink)
         run.start()
         self.kick()
-        return StepwiseWalk(self, run)
+        return RunningWalk(run, self.kick, lambda: self.cancel_steps(run.group))
 
     def kick(self) -> None:
         """Resume ready walk coroutines soon (once per turn of the event loop)."""
@@ -132,39 +133,3 @@ class StepwiseWalks:
         if not scope.cancel_called:
             self.trampoline.wake(task, outcome)
             self.kick()
-
-
-class StepwiseWalk:
-    """The conductor's handle on a walk it runs itself (``WalkControl``)."""
-
-    __slots__ = ("host", "run")
-
-    def __init__(self, host: StepwiseWalks, run: WalkRun) -> None:
-        self.host = host
-        self.run = run
-
-    def ack(self, count: int) -> None:
-        """The program took ``count`` outputs: credit back to the walk."""
-        self.run.ack(count)
-        self.host.kick()
-
-    def cancel(self) -> None:
-        """Stop the walk and its steps in flight now."""
-        self.run.cancel()
-        self.host.cancel_steps(self.run.group)
-
-    async def feed(self, port: PortRef, items: Any) -> None:
-        """Items of the streamed input ``port``; returns once it has room for more (or the walk
-        has ended). Cancel-safe.
-
-        Raises:
-            KeyError: ``port`` is not a streamed input of the walk.
-        """
-        feeding = self.run.feed_async(port, items)
-        self.host.kick()
-        await feeding
-
-    def end_input(self, port: PortRef) -> None:
-        """The streamed input ``port`` has ended."""
-        self.run.end_input(port)
-        self.host.kick()

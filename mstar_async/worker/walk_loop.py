@@ -29,6 +29,7 @@ from mstar_async.engines import Engine, Step
 from mstar_async.errors import EngineError, MstarError
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.transport import StepCall
+from mstar_async.walks.handle import RunningWalk
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
 from mstar_async.walks.trampoline import StepRequest, Task, Trampoline
 from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
@@ -171,9 +172,10 @@ class WalkLoop:
         params: Mapping[str, Any],
         persisted: Mapping[PortRef, Any],
         sink: WalkSink,
-    ) -> LocalWalk:
+    ) -> RunningWalk:
         """``start_walk`` for the conductor (see ``WalkHost``); never raises."""
-        return LocalWalk(self, self.start_walk(plan, request_id, inputs, params, persisted, sink))
+        run = self.start_walk(plan, request_id, inputs, params, persisted, sink)
+        return RunningWalk(run, self.kick)
 
     def kick(self) -> None:
         """Wake the loop: something it waits for may have changed (a walk, credit, a cancel)."""
@@ -307,39 +309,3 @@ def _engine_error(name: str, exc: BaseException) -> BaseException:
     error = EngineError(f"engine {name!r} failed: {exc!r}")
     error.__cause__ = exc
     return error
-
-
-class LocalWalk:
-    """A walk running on a ``WalkLoop`` in this process, as the conductor controls it."""
-
-    __slots__ = ("loop", "run")
-
-    def __init__(self, loop: WalkLoop, run: WalkRun) -> None:
-        self.loop = loop
-        self.run = run
-
-    def ack(self, count: int) -> None:
-        """The reader took ``count`` outputs: credit back to the walk."""
-        self.run.ack(count)
-        self.loop.kick()
-
-    def cancel(self) -> None:
-        """Stop the walk now (its sink hears ``end`` before this returns)."""
-        self.run.cancel()
-        self.loop.kick()
-
-    async def feed(self, port: PortRef, items: Any) -> None:
-        """Items of the streamed input ``port``; returns once it has room for more (or the walk
-        has ended). Cancel-safe: the items were taken either way.
-
-        Raises:
-            KeyError: ``port`` is not a streamed input of the walk.
-        """
-        feeding = self.run.feed_async(port, items)
-        self.loop.kick()
-        await feeding
-
-    def end_input(self, port: PortRef) -> None:
-        """The streamed input ``port`` has ended."""
-        self.run.end_input(port)
-        self.loop.kick()
