@@ -17,6 +17,7 @@ from mstar_async.conductor.executor import StepExecutor
 from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.outbox import Outbox
 from mstar_async.conductor.request import RequestContext
+from mstar_async.conductor.task_owner import TaskGroupOwner
 from mstar_async.conductor.walk_stream import WalkHost
 from mstar_async.errors import MstarError, RequestCancelled, RequestError
 from mstar_async.graph import Model
@@ -101,7 +102,7 @@ class RequestStream:
             await self._finished.wait()
 
 
-class Conductor:
+class Conductor(TaskGroupOwner):
     """Runs request programs of one model: their walks run on ``walks`` (where their nodes
     are), and ``executor`` releases a request's state when it ends.
 
@@ -124,24 +125,6 @@ class Conductor:
         self.active: dict[str, RequestStream] = {}
         self._task_group: TaskGroup | None = None
         self._signature = inspect.signature(model.program)
-
-    async def __aenter__(self) -> Conductor:
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        assert self._task_group is not None
-        self._task_group.cancel_scope.cancel()
-        try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
-        finally:
-            self._task_group = None
 
     def generate(self, *, request_id: str | None = None, **inputs: Any) -> RequestStream:
         """Start a request of the model's program with ``inputs`` and return its output stream.

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup as AnyioTaskGroup
 
 from mstar_async.conductor.executor import StepExecutor, materialize
+from mstar_async.conductor.task_owner import TaskGroupOwner
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.transport import StepCall
 from mstar_async.walks import (
@@ -31,7 +30,7 @@ from mstar_async.walks import (
 from mstar_async.walks.handle import RunningWalk
 
 
-class StepwiseWalks:
+class StepwiseWalks(TaskGroupOwner):
     """Runs walks on the conductor's event loop, sending every step to ``executor``.
 
     Use as ``async with StepwiseWalks(executor) as walks:``; leaving cancels steps in flight.
@@ -40,27 +39,8 @@ class StepwiseWalks:
     def __init__(self, executor: StepExecutor) -> None:
         self.executor = executor
         self.trampoline = Trampoline(self._submit, self._fetch)
-        self._tg: AnyioTaskGroup | None = None
         self._scheduled = False
         self._steps: dict[TaskGroup, set[anyio.CancelScope]] = {}
-
-    async def __aenter__(self) -> StepwiseWalks:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        try:
-            return await self._tg.__aexit__(exc_type, exc, tb)
-        finally:
-            self._tg = None
 
     def hosts(self, request_id: str, plan: WalkPlan) -> bool:
         """Any walk can run here."""
@@ -111,10 +91,10 @@ class StepwiseWalks:
         self._spawn(task, lambda: materialize(self.executor, request.ref))
 
     def _spawn(self, task: Task, work: Callable[[], Awaitable[Any]]) -> None:
-        assert self._tg is not None, "StepwiseWalks is not open"
+        assert self._task_group is not None, "StepwiseWalks is not open"
         scope = anyio.CancelScope()
         self._steps.setdefault(task.group, set()).add(scope)
-        self._tg.start_soon(self._await, task, work, scope)
+        self._task_group.start_soon(self._await, task, work, scope)
 
     async def _await(
         self, task: Task, work: Callable[[], Awaitable[Any]], scope: anyio.CancelScope
