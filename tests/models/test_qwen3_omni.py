@@ -356,3 +356,21 @@ def test_embeds_engine_splits_a_step_by_budget_and_moves_a_request_between_engin
     assert torch.equal(moved["codes"], expected["codes"])
     target.release("a")
     assert target.blocks_in_use == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("max_tokens", [None, 256])
+async def test_a_story_finishes_with_audio_at_the_default_and_a_long_max_tokens(
+    max_tokens: int | None,
+) -> None:
+    # The command the README gives once sat idle after its text, with no audio and no error.
+    inputs: dict[str, Any] = {"text": "Tell me a story"}
+    if max_tokens is not None:
+        inputs["max_tokens"] = max_tokens
+    async with open_runtime(build_model("qwen3-omni")) as runtime:
+        with anyio.fail_after(180):
+            async with runtime.generate(**inputs) as stream:  # no max_frames: as the CLI runs
+                outputs = [item async for item in stream]
+    audio = [o for o in outputs if isinstance(o, AudioChunk)]
+    assert audio and sum(len(a.pcm) for a in audio) > 0
+    assert any(isinstance(o, TextDelta) for o in outputs)
