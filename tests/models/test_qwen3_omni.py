@@ -374,3 +374,22 @@ async def test_a_story_finishes_with_audio_at_the_default_and_a_long_max_tokens(
     audio = [o for o in outputs if isinstance(o, AudioChunk)]
     assert audio and sum(len(a.pcm) for a in audio) > 0
     assert any(isinstance(o, TextDelta) for o in outputs)
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_seeded_audio_is_at_a_sane_level_not_clipped_noise(
+    size: str, tokenizer: ChatTokenizer
+) -> None:
+    parts = build_parts(seeded_config(size, 0, tokenizer), None, torch.float32, "cpu")
+    codes = torch.randint(
+        0,
+        parts.code2wav.config.codebook_size,
+        (parts.code2wav.config.num_quantizers, 24),
+        generator=torch.Generator().manual_seed(7),
+    )
+    with torch.no_grad():
+        pcm = parts.code2wav(codes)
+    clipped = float((pcm.abs() > 0.99).float().mean())
+    rms = float(pcm.pow(2).mean().sqrt())
+    assert clipped < 0.01, f"{clipped:.0%} of samples at full scale"
+    assert 0.02 < rms < 0.5

@@ -270,6 +270,11 @@ class Code2Wav(nn.Module):
                 f"code2wav expects codes [{self.config.num_quantizers}, frames], "
                 f"got {tuple(codes.shape)}"
             )
+        pcm: torch.Tensor = self.unclamped(codes).clamp(-1.0, 1.0)
+        return pcm
+
+    def unclamped(self, codes: torch.Tensor) -> torch.Tensor:
+        """The waveform ``forward`` clamps, ``[samples]``: for calibrating seeded weights."""
         hidden = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
         x = self.pre_transformer(hidden).T[None]
         for stage in self.upsample:
@@ -278,8 +283,8 @@ class Code2Wav(nn.Module):
                 x = block(x)
         for block in self.decoder:
             x = block(x)
-        pcm: torch.Tensor = x.clamp(-1.0, 1.0).reshape(-1)
-        return pcm
+        wave: torch.Tensor = x.reshape(-1)
+        return wave
 
     def decode_chunk(self, frames: torch.Tensor, context: int) -> torch.Tensor:
         """PCM of a window of frames ``[n, Q]`` minus its first ``context`` frames' audio (the

@@ -112,6 +112,26 @@ def load_part(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str)
         module.load_state_dict(mine, strict=True)
 
 
+#: The RMS level seeded code2wav weights are scaled to (about -20 dBFS): random weights
+#: otherwise drive most samples into the [-1, 1] clamp, which is noise at full scale.
+SEEDED_RMS = 0.1
+
+
+def _speak_softly(code2wav: Code2Wav, seed: int) -> None:
+    """Scale the seeded vocoder's last convolution so random codes come out at ``SEEDED_RMS``
+    (deterministic for the seed; real checkpoints are never touched)."""
+    cfg = code2wav.config
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, 16), generator=generator)
+    last = code2wav.decoder[-1]
+    assert isinstance(last, nn.Module)
+    with torch.no_grad():
+        rms = float(code2wav.unclamped(codes).pow(2).mean().sqrt())
+        if rms > 0:
+            for param in last.parameters():
+                param.mul_(SEEDED_RMS / rms)
+
+
 # The thinker's audio / vision towers are not part of this model; their keys are skipped.
 _PREFIXES = {"thinker": "thinker.", "talker": "talker.", "code2wav": "code2wav."}
 
@@ -129,6 +149,7 @@ def build_parts(cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device
     if folder is None:
         for offset, module in enumerate((parts.thinker, parts.talker, parts.code2wav)):
             seeded_init(module, cfg.seed + offset)
+        _speak_softly(parts.code2wav, cfg.seed + 2)
     else:
         state = upstream_keys(load_checkpoint(folder).state_dict)
         thinker_state = {
