@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import socket
 import sys
 from pathlib import Path
@@ -11,6 +12,9 @@ from typing import Any
 
 from mstar_async.errors import MstarError
 from mstar_async.placement import Placement
+
+#: The environment variable ``mstar serve --api-key`` defaults to.
+API_KEY_VARIABLE = "MSTAR_API_KEY"
 
 #: What ``mstar serve`` serves when given no model: a chat model and a speech model, so the
 #: text and speech routes answer out of the box (``--path`` alone serves causal-lm from it).
@@ -63,6 +67,26 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         metavar="N",
         help="requests in flight per model before 429 (default 64)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
+        f"{API_KEY_VARIABLE} environment variable; none: no key)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOST[,HOST...]",
+        help="Host header names answered ('*': any; default: loopback names when bound to "
+        "loopback, any otherwise)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="largest request body before 413 (default 8 MiB)",
     )
     serve.set_defaults(handler=_serve)
 
@@ -134,6 +158,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
     from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
+    from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, hosts_to_answer
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"
@@ -144,6 +169,9 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
             _specs(args),
             max_concurrent=args.max_concurrent or DEFAULT_MAX_CONCURRENT,
             progress=lambda line: say(f"  {line}"),
+            api_key=args.api_key,
+            allowed_hosts=hosts_to_answer(args.allowed_hosts, args.host),
+            max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         )
     except (MstarError, ValueError) as exc:
         say(f"mstar serve: {exc}")

@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from mstar_async.logs import get_logger
@@ -27,6 +28,7 @@ from mstar_async.server.errors import (
     handle_unexpected,
     handle_validation_error,
 )
+from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, Guard
 from mstar_async.server.served import DEFAULT_MAX_CONCURRENT, ModelSpec, ServedModel
 from mstar_async.server.state import ServerState
 
@@ -48,12 +50,17 @@ def create_app(
     *,
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     progress: Callable[[str], None] | None = None,
+    api_key: str | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """An ASGI app serving ``models``; each is opened (``open_runtime``) when the app starts
     and closed when it stops, in the host's event loop.
 
     ``max_concurrent`` bounds the in-flight requests of each model that sets no bound of its
     own; past it the app answers 429. ``progress`` receives a line as each model loads.
+    ``api_key``, ``allowed_hosts`` and ``max_body_bytes`` are checked on every request before
+    any route sees it (see ``Guard``: 401, 400, 413).
 
     Raises:
         ValueError: no models, two under one name, or a bound below 1.
@@ -90,8 +97,12 @@ def create_app(
             finally:
                 state.ready = False
 
+    guard = Middleware(
+        Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes
+    )
     app = Starlette(
         routes=[route for module in ROUTE_MODULES for route in module()],
+        middleware=[guard],
         lifespan=lifespan,
         exception_handlers={
             APIError: handle_api_error,
