@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from mstar_async.server.errors import APIError
 from mstar_async.server.speech_models import VoiceID
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -120,11 +121,17 @@ class GenerateRequest(Struct, kw_only=True):
 T = TypeVar("T")
 
 
-def decode(body: bytes, kind: type[T]) -> T:
-    """``body`` as a ``kind``.
+def decode(body: bytes | str, kind: type[T]) -> T:
+    """``body`` (JSON) as a ``kind``.
 
     Raises:
         msgspec.ValidationError, msgspec.DecodeError: the body does not fit (the app answers
             400 naming the field).
+        APIError: 400, the JSON is nested deeper than the decoder follows.
     """
-    return msgspec.json.decode(body or b"{}", type=kind)
+    try:
+        return msgspec.json.decode(body or b"{}", type=kind)
+    except RecursionError:
+        raise APIError(
+            400, "the JSON body is nested too deeply; send a flatter document", param="body"
+        ) from None

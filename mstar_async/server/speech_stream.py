@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from mstar_async.outputs import AudioChunk
 from mstar_async.server.encode import pcm_s16le
 from mstar_async.server.errors import APIError, from_validation
+from mstar_async.server.schemas import decode
 from mstar_async.server.segments import SegmentAudio, SegmentDone, SegmentedSpeech, SentenceSplitter
 from mstar_async.server.served import ServedModel
 from mstar_async.server.speech_models import extension_inputs, sample_rate, speech_inputs
@@ -109,9 +110,12 @@ class _Session:
     async def handle(self, raw: str) -> None:
         """Act on one client message."""
         try:
-            message = msgspec.json.decode(raw, type=_Message)
+            message = decode(raw, _Message)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await self.send({"type": "error", **from_validation(exc).body()})
+            return
+        except APIError as refused:
+            await self.send({"type": "error", **refused.body()})
             return
         if self.ended and message.type in ("text", "flush", "end"):
             error = APIError(

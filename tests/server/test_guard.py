@@ -106,3 +106,14 @@ def test_the_openai_client_needs_the_key_on_a_live_server(tiny_folder: Path) -> 
                 client.models.list()
         with OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0) as client:
             assert [m.id for m in client.models.list().data] == ["causal-lm"]
+
+
+def test_json_nested_too_deeply_is_a_400_naming_the_problem(tiny_folder: Path) -> None:
+    model = build_model("causal-lm", path=tiny_folder, dtype="float32")
+    with live_server(create_app([ModelSpec(model)])) as url:
+        host, port = url.removeprefix("http://").split(":")
+        deep = b'{"model": "causal-lm", "inputs": {"prompt": ' + b"[" * 10_000 + b"]" * 10_000
+        status, body = call((host, int(port)), "POST", "/generate", deep + b"}}")
+        assert status == 400 and "nested too deeply" in body["error"]["message"]
+        status, body = call((host, int(port)), "POST", "/v1/completions", b"[" * 10_000)
+        assert 400 <= status < 500
