@@ -365,11 +365,14 @@ class WalkRun:
         while search is not None:
             search.last[ref] = value
             search = search.parent
-        seen = value  # a handle's tensor, where this process must look at it
+        # Where this walk must look at the value itself (a policy, an output), a handle to a
+        # tensor another process holds is fetched; plain edges pass the handle on.
+        seen = value
         for edge in self.plan.out_edges.get(ref, ()):
             target = scope.owner(edge.lca)
             if edge.streaming:
-                seen = await _see(seen)
+                if isinstance(seen, TensorRef):
+                    seen = await FetchRequest(seen)
                 await target.streams[edge].send(_as_items(seen))
             else:
                 target.cells[edge].set(value)
@@ -377,7 +380,8 @@ class WalkRun:
             self.left[ref] = value
         name = self._outputs.get(ref)
         if name is not None:
-            seen = await _see(seen)
+            if isinstance(seen, TensorRef):
+                seen = await FetchRequest(seen)
             while self.unacked >= self.window:
                 await self._credit
             self.unacked += 1
@@ -431,7 +435,8 @@ class WalkRun:
             name = names.get(ref)
             if name is None:
                 name = names[ref] = str(ref)
-            named[name] = await _see(value)
+            # A handle's tensor is fetched: ``until`` looks at the value itself.
+            named[name] = await FetchRequest(value) if isinstance(value, TensorRef) else value
         return named
 
     def _close_scope(self, scope: _Scope) -> None:
@@ -453,14 +458,6 @@ class WalkRun:
                 f"(got {value!r})"
             )
         return value
-
-
-async def _see(value: Any) -> Any:
-    """``value``, or the tensor behind it when it is a handle to a tensor another process
-    holds (where this walk must look at the value itself: a policy, ``until``, an output)."""
-    if isinstance(value, TensorRef):
-        return await FetchRequest(value)
-    return value
 
 
 def _carry(loop: Loop | DynamicLoop, last: Mapping[PortRef, Any]) -> dict[PortRef, Any]:

@@ -129,6 +129,7 @@ class TaskGroup:
         self.live: set[Task] = set()
         self.error: BaseException | None = None
         self.ended = False
+        trampoline.groups += 1
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> Task:
         """Start ``coro`` as a task of this group; it first runs on the trampoline's next pass."""
@@ -145,6 +146,7 @@ class TaskGroup:
         if self.error is None:
             self.error = error
         self.ended = True
+        self.trampoline.groups -= 1
         for task in list(self.live):
             task.done = True
             task.coro.close()
@@ -160,6 +162,7 @@ class TaskGroup:
             self.cancel(error)
         elif not self.live:
             self.ended = True
+            self.trampoline.groups -= 1
             self.on_end(None)
 
 
@@ -181,6 +184,7 @@ class Trampoline:
         self.submit = submit
         self.fetch = fetch
         self.ready: deque[tuple[Task, Any]] = deque()
+        self.groups = 0  # task groups (walks) not ended yet
 
     def wake(self, task: Task, value: Any) -> None:
         """Make ``task`` ready to resume with ``value`` (an exception is thrown into it)."""

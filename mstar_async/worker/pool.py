@@ -142,7 +142,7 @@ class WorkerPool:
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
-        self._starts: list[tuple[int, StartWalk | FeedWalk]] = []
+        self._outgoing: list[tuple[int, StartWalk | FeedWalk]] = []
         self._feeds: dict[tuple[int, str], asyncio.Future[None]] = {}
         self._credits: dict[int, dict[int, int]] = {}
         self._cancels: dict[int, list[int]] = {}
@@ -375,7 +375,7 @@ class WorkerPool:
             {str(k): v for k, v in persisted.items()},
             window,
         )
-        self._starts.append((rank, message))
+        self._outgoing.append((rank, message))
         self._send_wake.set()
         return RemoteWalk(self, rank, walk_id)
 
@@ -384,7 +384,7 @@ class WorkerPool:
             return  # ended: nobody reads the input any more
         waiter = asyncio.get_running_loop().create_future()
         self._feeds[(walk_id, port)] = waiter
-        self._starts.append((rank, FeedWalk(walk_id, port, items)))
+        self._outgoing.append((rank, FeedWalk(walk_id, port, items)))
         self._send_wake.set()
         try:
             await waiter
@@ -393,7 +393,7 @@ class WorkerPool:
 
     def _walk_end_input(self, rank: int, walk_id: int, port: str) -> None:
         if walk_id in self._walks:
-            self._starts.append((rank, FeedWalk(walk_id, port, None, True)))
+            self._outgoing.append((rank, FeedWalk(walk_id, port, None, True)))
             self._send_wake.set()
 
     def _walk_gone(self, walk_id: int) -> None:
@@ -423,14 +423,14 @@ class WorkerPool:
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
-            starts, self._starts = self._starts, []
-            for rank, start in starts:
-                await self._send_walk_message(rank, start)
+            outgoing, self._outgoing = self._outgoing, []
+            for rank, message in outgoing:
+                await self._send_walk_message(rank, message)
             credits, self._credits = self._credits, {}
             cancels, self._cancels = self._cancels, {}
             for rank in sorted(set(credits) | set(cancels)):
-                message = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
-                await self._send_walk_message(rank, message)
+                credit = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
+                await self._send_walk_message(rank, credit)
 
     async def _send_walk_message(
         self, rank: int, message: StartWalk | FeedWalk | WalkCredit

@@ -121,13 +121,11 @@ class WalkLoop:
         self._round_done: asyncio.Event | None = None
         self._estimates: dict[tuple[str, ...], float] = {}
         self._thread: ForwardThread | None = None
-        self._runs: list[WalkRun] = []
 
     @property
     def walks_running(self) -> int:
         """Walks started here that have not ended yet."""
-        self._runs = [run for run in self._runs if not run.ended]
-        return len(self._runs)
+        return self.trampoline.groups
 
     @property
     def stats(self) -> BatchStats:
@@ -154,9 +152,6 @@ class WalkLoop:
             plan, request_id, inputs, params, persisted, self.trampoline, sink, window=window
         )
         run.start()
-        if len(self._runs) > 64 and self._runs[0].ended:
-            self._runs = [r for r in self._runs if not r.ended]
-        self._runs.append(run)
         self.kick()
         return run
 

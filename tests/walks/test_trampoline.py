@@ -47,6 +47,7 @@ def test_a_step_suspends_until_woken_with_its_outputs() -> None:
     trampoline.run_ready()
     assert seen == [{"y": 2}]
     assert recorder.ends == [None] and group.ended and not group.live
+    assert trampoline.groups == 0
 
 
 def test_a_thrown_step_error_fails_the_group_and_closes_its_siblings() -> None:
@@ -115,9 +116,10 @@ def test_cancel_closes_tasks_runs_their_finally_and_ends_once() -> None:
 
     group.spawn(node())
     trampoline.run_ready()
+    assert trampoline.groups == 1
     group.cancel()
     group.cancel()
-    assert finished == [True] and recorder.ends == [None]
+    assert finished == [True] and recorder.ends == [None] and trampoline.groups == 0
     trampoline.wake(recorder.steps[0][0], {"y": 1})
     trampoline.run_ready()  # nothing to resume
     assert recorder.ends == [None]
