@@ -8,7 +8,8 @@ thread), ``finish`` resolves. The rules of a round:
 
 - per engine, one-token steps (decodes) first, then longer ones with the tokens left, so a long
   prompt is split into chunks and never starves running decodes; ``max_batch_tokens`` and
-  ``max_batch_size`` cap a forward, and a forward-time bound caps its tokens further;
+  ``max_batch_size`` cap a forward, and a forward-time limit caps its tokens further (see
+  ``ForwardTimer``);
 - an outcome of ``None`` (progress made) puts the job back at the front of the queue; ``WAIT``
   does too, unless nothing of that engine's forward could run: then its jobs are parked until
   some request is released, or, when no other request holds memory there that a release could
@@ -72,7 +73,8 @@ class Batch:
     costs: list[int] = field(default_factory=list)  # each job's cost when it was chosen
     outcomes: list[StepResult] = field(default_factory=list)
     ran: int = 0  # steps that went through ``engine.forward`` (state moves do not)
-    tokens: int = 0  # tokens the forward computed
+    short_steps: int = 0  # one-token steps the forward ran
+    long_tokens: int = 0  # tokens the forward computed for longer steps
     seconds: float = 0.0
 
 
@@ -88,33 +90,31 @@ class Round:
         return [job for batch in self.batches for job in batch.jobs]
 
 
-class ForwardTimer:
-    """One engine's forward time, estimated as ``fixed + per_token * tokens`` from exponential
-    moving averages over its forwards (``weight`` is the newest forward's share).
+class _Line:
+    """``seconds ~ fixed + per_token * tokens`` fitted by least squares over exponential moving
+    averages (``weight`` is the newest point's share).
 
     Why a line and not the mean time per token: a forward has a fixed cost (launches, Python);
     charging it to the tokens would make small chunks look slow per token, shrink the next
     chunk, and spiral down to one-token prefills wherever that cost nears the bound. Until the
-    forwards differ in size the whole time counts per token (the cautious guess).
+    points differ in size the whole time counts per token (the cautious guess).
     """
 
-    def __init__(self, weight: float = 0.25) -> None:
+    def __init__(self, weight: float) -> None:
         self.weight = weight
-        self.forwards = 0
+        self.points = 0
         self._n = self._t = self._nn = self._nt = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """Add one forward of ``tokens`` tokens that took ``seconds``."""
-        w = 1.0 if self.forwards == 0 else self.weight
+        w = 1.0 if self.points == 0 else self.weight
         self._n += w * (tokens - self._n)
         self._t += w * (seconds - self._t)
         self._nn += w * (tokens * tokens - self._nn)
         self._nt += w * (tokens * seconds - self._nt)
-        self.forwards += 1
+        self.points += 1
 
     def estimate(self) -> tuple[float, float] | None:
-        """``(fixed, per_token)`` seconds, or None before the first forward."""
-        if self.forwards == 0 or self._n <= 0:
+        if self.points == 0 or self._n <= 0:
             return None
         var = self._nn - self._n * self._n
         if var <= 1e-6 * (1.0 + self._n * self._n):
@@ -122,17 +122,66 @@ class ForwardTimer:
         per_token = (self._nt - self._n * self._t) / var
         return max(0.0, self._t - per_token * self._n), per_token
 
-    def tokens_within(self, bound_s: float) -> int | None:
-        """The most tokens a forward may take to stay within ``bound_s`` (at least 0), or None
-        when nothing caps it: no forward seen yet, time that does not grow with tokens, or a
-        fixed cost over the bound by itself (smaller chunks could not help)."""
+
+class ForwardTimer:
+    """One engine's forward times, learnt from its forwards: a decode round's (one-token steps
+    only, a moving average), and what long steps' tokens add to a forward (a line, fixed +
+    per token; in a forward with decodes, over the decode round's time).
+
+    The time a forward may take (``time_limit``) is the bound, except where a decode round
+    alone comes near it: then a forward may take twice a decode round, so prompts always get
+    at least as much of the engine as the decodes beside them (on a slow machine a strict
+    bound would feed a prompt a few tokens per round and keep the batch from ever filling).
+    Where decodes are fast, a forward with decodes takes at most three decode rounds, so a
+    long prompt arriving costs running requests at most 3x their inter-token latency.
+    """
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight
+        #: A forward of one-token steps only, in seconds (None before the first).
+        self.decode_s: float | None = None
+        self._line = _Line(weight)
+
+    def observe(self, short_steps: int, long_tokens: int, seconds: float) -> None:
+        """Add one forward of ``short_steps`` one-token steps and ``long_tokens`` tokens of
+        longer steps that took ``seconds``."""
+        if long_tokens == 0:
+            if short_steps:
+                d = self.decode_s
+                self.decode_s = seconds if d is None else d + self.weight * (seconds - d)
+            return
+        base = self.decode_s if short_steps and self.decode_s is not None else 0.0
+        self._line.observe(long_tokens, max(0.0, seconds - base))
+
+    def estimate(self) -> tuple[float, float] | None:
+        """``(fixed, per_token)`` seconds that long steps' tokens add to a forward, or None
+        before the first forward with any."""
+        return self._line.estimate()
+
+    def time_limit(self, bound_s: float, decoding: bool) -> float:
+        """The seconds a forward may take under ``bound_s`` (see the class docstring), with
+        or without one-token steps in it."""
+        d = self.decode_s
+        if d is None:
+            return bound_s
+        if decoding:
+            return max(2 * d, min(bound_s, 3 * d))
+        return max(bound_s, 2 * d)
+
+    def tokens_within(self, bound_s: float, decoding: bool = False) -> int | None:
+        """The most tokens of long steps a forward may take to stay within its time limit
+        under ``bound_s`` (at least 0), or None when nothing caps them: no forward with long
+        steps seen yet, time that does not grow with tokens, or a fixed cost over the limit by
+        itself (smaller chunks could not help)."""
         estimate = self.estimate()
         if estimate is None:
             return None
         fixed, per_token = estimate
-        if per_token <= 0 or fixed >= bound_s:
+        base = self.decode_s if decoding and self.decode_s is not None else 0.0
+        room = self.time_limit(bound_s, decoding) - base - fixed
+        if per_token <= 0 or room <= 0:
             return None
-        return int((bound_s - fixed) / per_token)
+        return int(room / per_token)
 
 
 class Scheduler:
@@ -364,7 +413,7 @@ class Scheduler:
 
     def _long_limit(self, name: str, tokens: int) -> int:
         timer = self.timers.get(name)
-        cap = None if timer is None else timer.tokens_within(self.forward_time_bound_s)
+        cap = None if timer is None else timer.tokens_within(self.forward_time_bound_s, tokens > 0)
         if cap is None:
             return self.max_batch_tokens
         return min(self.max_batch_tokens, max(cap, tokens + 1))
@@ -385,7 +434,11 @@ class Scheduler:
         batch.ran = len(steps)
         for k, result in zip(run, results, strict=True):
             batch.outcomes[k] = result
-            batch.tokens += _computed(batch.costs[k], batch.jobs[k].step.budget, result)
+            cost = batch.costs[k]
+            if cost == 1:
+                batch.short_steps += result is not WAIT
+            else:
+                batch.long_tokens += _computed(cost, batch.jobs[k].step.budget, result)
 
     def _account(self, batch: Batch) -> None:
         if not batch.ran:
@@ -393,9 +446,9 @@ class Scheduler:
         self.stats.forwards += 1
         self.stats.steps += batch.ran
         self.stats.batch_sizes[batch.ran] += 1
-        if batch.tokens:
+        if batch.short_steps or batch.long_tokens:
             timer = self.timers.setdefault(batch.engine, ForwardTimer())
-            timer.observe(batch.tokens, batch.seconds)
+            timer.observe(batch.short_steps, batch.long_tokens, batch.seconds)
         for job, cost, outcome in zip(batch.jobs, batch.costs, batch.outcomes, strict=True):
             if isinstance(outcome, dict) and job.step.budget < cost:
                 self._whole.add((batch.engine, job.step.op))
