@@ -22,7 +22,7 @@ class RequestMetrics:
     ``ttft`` to the first ``TextDelta``; each is None until that output exists. ``rtf`` is the
     end-to-end time over the seconds of audio made (below 1: faster than real time).
     ``prompt_tokens`` / ``completion_tokens`` are what the program reported (through
-    ``RequestContext.record_usage`` or an output carrying both counts), None if it reported
+    ``RequestContext.record_usage`` or an output type carrying both counts), None if it reported
     nothing. Exactly one of ``finished``, ``cancelled``, ``failed`` is true once ``done``.
     """
 
@@ -54,22 +54,28 @@ class RequestMetrics:
 
     def observe(self, output: Any) -> None:
         """Account for one output the program yielded, now."""
-        elapsed = time.perf_counter() - self.started
         self.outputs += 1
-        if self.ttfb is None:
-            self.ttfb = elapsed
-        if isinstance(output, AudioChunk):
+        audio = isinstance(output, AudioChunk)
+        if audio:
             self.audio_seconds += output.seconds
-            if self.ttfa is None:
+        text = not audio and isinstance(output, TextDelta)
+        if (
+            self.ttfb is None
+            or (audio and self.ttfa is None)
+            or (text and self.ttft is None)
+        ):
+            elapsed = time.perf_counter() - self.started
+            self.ttfb = elapsed if self.ttfb is None else self.ttfb
+            if audio and self.ttfa is None:
                 self.ttfa = elapsed
-        elif isinstance(output, TextDelta):
-            if self.ttft is None:
+            if text and self.ttft is None:
                 self.ttft = elapsed
-        prompt = getattr(output, "prompt_tokens", None)
-        completion = getattr(output, "completion_tokens", None)
-        if isinstance(prompt, int) and isinstance(completion, int):
-            # An output that reports usage (a closing TextEnd) counts as the program's report.
-            self.record_usage(prompt_tokens=prompt, completion_tokens=completion)
+        if not (audio or text) and _reports_usage(output):
+            prompt = getattr(output, "prompt_tokens", None)
+            completion = getattr(output, "completion_tokens", None)
+            if isinstance(prompt, int) and isinstance(completion, int):
+                # An output that reports usage (a closing TextEnd) counts as the program's report.
+                self.record_usage(prompt_tokens=prompt, completion_tokens=completion)
 
     def record_usage(
         self, *, prompt_tokens: int | None = None, completion_tokens: int | None = None
@@ -117,3 +123,17 @@ class RequestMetrics:
             "cancelled": self.cancelled,
             "failed": self.failed,
         }
+
+
+_USAGE_TYPES: dict[type, bool] = {}
+
+
+def _reports_usage(output: Any) -> bool:
+    # Asked once per output type: a failed attribute lookup per output costs more than the rest.
+    kind = type(output)
+    known = _USAGE_TYPES.get(kind)
+    if known is None:
+        known = _USAGE_TYPES[kind] = hasattr(output, "prompt_tokens") and hasattr(
+            output, "completion_tokens"
+        )
+    return known

@@ -122,6 +122,30 @@ class _Scope:
         return scope
 
 
+class _NodeFacts:
+    """What firing a node needs, computed once per walk run: its input refs (streamed inputs
+    left out), and per output port its ref, the edges it feeds, whether a later walk keeps it
+    and the walk output name it is (if any)."""
+
+    __slots__ = ("inputs", "node", "outputs")
+
+    def __init__(self, run: WalkRun, node: Node, skip: frozenset[PortRef]) -> None:
+        plan = run.plan
+        self.node = node
+        refs = ((port, PortRef(node.name, port)) for port in node.inputs)
+        self.inputs = [(port, ref) for port, ref in refs if ref not in skip]
+        self.outputs = [
+            (
+                port,
+                ref,
+                tuple(plan.out_edges.get(ref, ())),
+                ref in plan.persisted_out,
+                run._outputs.get(ref),
+            )
+            for port, ref in ((port, PortRef(node.name, port)) for port in node.outputs)
+        ]
+
+
 _UNKNOWN = object()
 
 
@@ -173,6 +197,7 @@ class WalkRun:
             for ref, policy in plan.input_streams.items()
         }
         self._fed_by_node = {ref.node: ref for ref in self._fed}
+        self._facts: dict[str, _NodeFacts] = {}
         self.group = TaskGroup(trampoline, self._ended)
 
     @property
@@ -302,34 +327,37 @@ class WalkRun:
         if streamed is _UNKNOWN:
             streamed = self._stream_inputs[node.name] = self.plan.stream_input(node.name)
         fed = self._fed_by_node.get(node.name)
+        facts = self._facts.get(node.name)
+        if facts is None:
+            skip = {ref for ref in (fed, streamed and streamed.dst) if ref is not None}
+            facts = self._facts[node.name] = _NodeFacts(self, node, frozenset(skip))
         inputs: dict[str, Any] = {}
-        for port in node.inputs:
-            ref = PortRef(node.name, port)
-            if (streamed is None or ref != streamed.dst) and ref != fed:
-                inputs[port] = await self._resolve(ref, scope)
+        for port, ref in facts.inputs:
+            value = _in_scope(ref, scope)
+            inputs[port] = await self._resolve(ref, scope) if value is _UNKNOWN else value
         if fed is not None:
-            await self._fire_per_chunk(node, inputs, scope, fed.port, self._fed[fed])
+            await self._fire_per_chunk(facts, inputs, scope, fed.port, self._fed[fed])
         elif streamed is None:
-            await self._fire(node, inputs, scope)
+            await self._fire(facts, inputs, scope)
         else:
             stream = scope.owner(streamed.lca).streams[streamed]
-            await self._fire_per_chunk(node, inputs, scope, streamed.dst.port, stream)
+            await self._fire_per_chunk(facts, inputs, scope, streamed.dst.port, stream)
 
     async def _fire_per_chunk(
-        self, node: Node, inputs: dict[str, Any], scope: _Scope, port: str, stream: StreamEdge
+        self,
+        facts: _NodeFacts,
+        inputs: dict[str, Any],
+        scope: _Scope,
+        port: str,
+        stream: StreamEdge,
     ) -> None:
         try:
             while (chunk := await stream.receive()) is not None:
-                await self._fire(node, {**inputs, port: chunk}, scope)
+                await self._fire(facts, {**inputs, port: chunk}, scope)
         finally:
             stream.abandon()
 
     async def _resolve(self, ref: PortRef, scope: _Scope) -> Any:
-        search: _Scope | None = scope
-        while search is not None:
-            if ref in search.fixed:
-                return search.fixed[ref]
-            search = search.parent
         edge = self.plan.in_edge.get(ref)
         if edge is not None:
             return await scope.owner(edge.lca).cells[edge].get(edge)
@@ -348,27 +376,39 @@ class WalkRun:
             f"(or '{ref}'=...) when you run it"
         )
 
-    async def _fire(self, node: Node, inputs: dict[str, Any], scope: _Scope) -> None:
+    async def _fire(self, facts: _NodeFacts, inputs: dict[str, Any], scope: _Scope) -> None:
+        node = facts.node
         outputs = await StepRequest(
             self.request_id, node.engine, node.op, inputs, node.name, self._walk_name
         )
-        for port in node.outputs:
+        for port, ref, edges, persisted, name in facts.outputs:
             if port not in outputs:
                 raise RequestError(
                     f"node {node.name!r}: engine {node.engine!r} op {node.op!r} returned "
                     f"{sorted(outputs)} but the node declares output {port!r}"
                 )
-            await self._publish(PortRef(node.name, port), outputs[port], scope)
+            value = outputs[port]
+            search: _Scope | None = scope
+            while search is not None:
+                search.last[ref] = value
+                search = search.parent
+            if edges:
+                await self._publish(value, scope, edges)
+            if name is not None:
+                if isinstance(value, TensorRef):
+                    value = await FetchRequest(value)
+                while self.unacked >= self.window:
+                    await self._credit
+                self.unacked += 1
+                self.sink.emit(name, value, scope.iteration)
+            if persisted:
+                self.left[ref] = value
 
-    async def _publish(self, ref: PortRef, value: Any, scope: _Scope) -> None:
-        search: _Scope | None = scope
-        while search is not None:
-            search.last[ref] = value
-            search = search.parent
-        # Where this walk must look at the value itself (a policy, an output), a handle to a
-        # tensor another process holds is fetched; plain edges pass the handle on.
+    async def _publish(self, value: Any, scope: _Scope, edges: tuple[EdgePlan, ...]) -> None:
+        # Where this walk must look at the value itself (a policy), a handle to a tensor
+        # another process holds is fetched; plain edges pass the handle on.
         seen = value
-        for edge in self.plan.out_edges.get(ref, ()):
+        for edge in edges:
             target = scope.owner(edge.lca)
             if edge.streaming:
                 if isinstance(seen, TensorRef):
@@ -376,16 +416,6 @@ class WalkRun:
                 await target.streams[edge].send(_as_items(seen))
             else:
                 target.cells[edge].set(value)
-        if ref in self.plan.persisted_out:
-            self.left[ref] = value
-        name = self._outputs.get(ref)
-        if name is not None:
-            if isinstance(seen, TensorRef):
-                seen = await FetchRequest(seen)
-            while self.unacked >= self.window:
-                await self._credit
-            self.unacked += 1
-            self.sink.emit(name, seen, scope.iteration)
 
     async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
         fixed: dict[PortRef, Any] = {}
@@ -409,7 +439,9 @@ class WalkRun:
         streams: dict[PortRef, StreamEdge],
     ) -> None:
         carried: dict[PortRef, Any] = {}
-        dynamic = isinstance(loop, DynamicLoop)
+        until = loop.until if isinstance(loop, DynamicLoop) else None
+        carries = [(src, tuple(dsts)) for src, dsts in loop.carry.items()]
+        body = loop.body
         for iteration in range(self._iterations(loop)):
             current = {**fixed, **carried} if carried else dict(fixed)
             for port, stream in streams.items():
@@ -419,25 +451,35 @@ class WalkRun:
                 current[port] = chunk
             inner = _Scope(self, loop, scope, current, iteration)
             try:
-                await self._run_block(loop.body, inner)
+                if isinstance(body, NodeRef):
+                    await self._run_node(self.plan.nodes[body.name], inner)
+                    self._finalize(body, inner)
+                else:
+                    await self._run_block(body, inner)
             finally:
-                self._close_scope(inner)
-            carried = _carry(loop, inner.last)
-            if dynamic and loop.until(  # type: ignore[union-attr]
-                LoopStep(iteration, await self._named(inner.last), self.params)
-            ):
-                return
+                if inner.streams:
+                    self._close_scope(inner)
+            last = inner.last
+            carried = _carry(carries, last) if carries else {}
+            if until is not None:
+                named, handles = self._named(last)
+                if handles:
+                    named = await _fetched(named)
+                if until(LoopStep(iteration, named, self.params)):
+                    return
 
-    async def _named(self, last: Mapping[PortRef, Any]) -> dict[str, Any]:
+    def _named(self, last: Mapping[PortRef, Any]) -> tuple[dict[str, Any], bool]:
+        """``last`` by port name, and whether any value is a handle to fetch."""
         names = self._names
         named: dict[str, Any] = {}
+        handles = False
         for ref, value in last.items():
             name = names.get(ref)
             if name is None:
                 name = names[ref] = str(ref)
-            # A handle's tensor is fetched: ``until`` looks at the value itself.
-            named[name] = await FetchRequest(value) if isinstance(value, TensorRef) else value
-        return named
+            named[name] = value
+            handles = handles or isinstance(value, TensorRef)
+        return named, handles
 
     def _close_scope(self, scope: _Scope) -> None:
         for stream in scope.streams.values():
@@ -460,11 +502,34 @@ class WalkRun:
         return value
 
 
-def _carry(loop: Loop | DynamicLoop, last: Mapping[PortRef, Any]) -> dict[PortRef, Any]:
+def _in_scope(ref: PortRef, scope: _Scope) -> Any:
+    """``ref``'s value fixed in ``scope`` or a scope around it (a loop's imports and carries, in
+    the innermost loop first), or ``_UNKNOWN``."""
+    search: _Scope | None = scope
+    while search is not None:
+        fixed = search.fixed
+        if ref in fixed:
+            return fixed[ref]
+        search = search.parent
+    return _UNKNOWN
+
+
+async def _fetched(named: dict[str, Any]) -> dict[str, Any]:
+    # A handle's tensor is fetched: ``until`` looks at the value itself.
+    return {
+        name: await FetchRequest(value) if isinstance(value, TensorRef) else value
+        for name, value in named.items()
+    }
+
+
+def _carry(
+    carries: list[tuple[PortRef, tuple[PortRef, ...]]], last: Mapping[PortRef, Any]
+) -> dict[PortRef, Any]:
     carried: dict[PortRef, Any] = {}
-    for src, dsts in loop.carry.items():
+    for src, dsts in carries:
         if src not in last:
             raise RequestError(f"loop carry: {src} produced nothing this iteration")
+        value = last[src]
         for dst in dsts:
-            carried[dst] = last[src]
+            carried[dst] = value
     return carried
