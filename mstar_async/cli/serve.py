@@ -31,6 +31,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 3600, got {text!r}")
+    return value
+
+
 def add_serve_parser(sub: Any) -> None:
     """Add ``serve`` to the ``mstar`` subcommands."""
     serve = sub.add_parser(
@@ -87,6 +97,14 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         metavar="N",
         help="largest request body before 413 (default 8 MiB)",
+    )
+    serve.add_argument(
+        "--drain-seconds",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="after SIGTERM or Ctrl-C, seconds running requests get to finish before they are "
+        "cancelled and the server exits (default 10; whole seconds)",
     )
     serve.set_defaults(handler=_serve)
 
@@ -158,6 +176,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
     from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
+    from mstar_async.server.run import DRAIN_SECONDS
     from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, hosts_to_answer
 
     say = functools.partial(print, file=sys.stderr, flush=True)
@@ -178,7 +197,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     say(f"serving {', '.join(args.models)} at {url} once loaded (Ctrl-C stops)")
     try:
-        run_async(functools.partial(serve, app, host=args.host, port=args.port))
+        drain = DRAIN_SECONDS if args.drain_seconds is None else args.drain_seconds
+        run_async(functools.partial(serve, app, host=args.host, port=args.port, drain_s=drain))
     except SystemExit as exc:
         say(f"mstar serve: the server did not start (exit {exc.code}); see the log above")
         return 1

@@ -5,12 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,45 +13,7 @@ from mstar_async.cli.serve import placements
 from mstar_async.errors import MstarError
 from tests.server.conftest import openai_client
 from tests.server.live import http
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def mstar_serve(*args: str, ready_within: float) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    port = _free_port()
-    command = [sys.executable, "-m", "mstar_async.cli", "serve", *args, "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
-        try:
-            _wait_healthy(url, process, ready_within)
-            yield url, process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[str], within: float) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"mstar serve exited: {process.communicate()[1]}")
-        assert time.monotonic() < deadline, "mstar serve did not become healthy"
-        try:
-            if http("GET", f"{url}/health", timeout=1).status == 200:
-                return
-        except OSError:  # not listening yet
-            pass
-        time.sleep(0.1)
+from tests.server.process import mstar_serve
 
 
 @pytest.mark.timeout(90)
