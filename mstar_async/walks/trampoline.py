@@ -147,10 +147,13 @@ class TaskGroup:
             self.error = error
         self.ended = True
         self.trampoline.groups -= 1
-        for task in list(self.live):
+        closed = list(self.live)
+        for task in closed:
             task.done = True
             task.coro.close()
         self.live.clear()
+        if closed and self.trampoline.on_abandon is not None:
+            self.trampoline.on_abandon(closed)
         self.on_end(self.error)
 
     def _task_ended(self, task: Task, error: BaseException | None) -> None:
@@ -183,6 +186,9 @@ class Trampoline:
     def __init__(self, submit: SubmitStep, fetch: Fetch | None = None) -> None:
         self.submit = submit
         self.fetch = fetch
+        #: Called with the tasks a cancelled group closed while they waited, so whoever holds
+        #: their steps drops them (a chunked prefill must not go on for a closed walk).
+        self.on_abandon: Callable[[list[Task]], None] | None = None
         self.ready: deque[tuple[Task, Any]] = deque()
         self.groups = 0  # task groups (walks) not ended yet
 

@@ -268,6 +268,14 @@ class Scheduler:
             return False
         return True
 
+    def withdraw_owned(self, owners: set[Any]) -> int:
+        """``withdraw`` every job whose owner is in ``owners`` (queued, parked or in a forward
+        now); returns how many. Never raises."""
+        found = [j for j in (*self._queue, *self._parked, *self._in_flight) if j.owner in owners]
+        for job in found:
+            self.withdraw(job)
+        return len(found)
+
     def cancel(self, request_id: str) -> list[Job]:
         """Remove ``request_id``'s queued and parked jobs and return them (queued ones first,
         each group in order). Its jobs in a forward now are not returned: their outcomes are

@@ -114,6 +114,7 @@ class WalkLoop:
         #: The engines by name: the scheduler's own mapping, so a swapped-in engine is used.
         self.engines = self.scheduler.engines
         self.trampoline = Trampoline(self._submit_step)
+        self.trampoline.on_abandon = self._abandoned
         self.inline_below_s = inline_below_s
         self.slice_s = slice_s
         self._wakeup: asyncio.Future[None] | None = None
@@ -272,6 +273,12 @@ class WalkLoop:
         took = time.perf_counter() - start
         self._estimates[key] = took if estimate is None else estimate + _EMA * (took - estimate)
         return threaded
+
+    def _abandoned(self, tasks: list[Task]) -> None:
+        # A cancelled walk's steps leave the queue now, not when its request is released: a
+        # long prefill would otherwise go on chunk after chunk until the release arrived.
+        if self.scheduler.withdraw_owned(set(tasks)):
+            self.kick()
 
     def _submit_step(self, task: Task, request: StepRequest) -> None:
         try:
