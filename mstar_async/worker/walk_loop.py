@@ -26,7 +26,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from mstar_async.engines import Engine, Step
-from mstar_async.errors import EngineError, MstarError
+from mstar_async.errors import EngineError, MstarError, RequestCancelled
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.transport import StepCall
 from mstar_async.walks.handle import RunningWalk
@@ -187,6 +187,7 @@ class WalkLoop:
 
         Raises:
             EngineError: the engine is unknown here, or the forward failed (its cause attached).
+            RequestCancelled: the request was released while the step waited.
         """
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         job = Job(call.engine, Step(call.request_id, call.op, call.inputs), future)
@@ -298,11 +299,21 @@ class WalkLoop:
             self.trampoline.wake(owner, outcome)
         elif isinstance(owner, asyncio.Future) and not owner.done():
             if outcome is None:
-                owner.cancel()
+                # An error, never ``cancel()``: a natively cancelled future cancels the task
+                # awaiting it, and anyio then cancels that task's whole group (the worker's).
+                owner.set_exception(_released(job))
             elif isinstance(outcome, BaseException):
                 owner.set_exception(outcome)
             else:
                 owner.set_result(outcome)
+
+
+def _released(job: Job) -> RequestCancelled:
+    step = job.step
+    return RequestCancelled(
+        f"request {step.request_id} was released before its {step.op!r} step on engine "
+        f"{job.engine!r} ran"
+    )
 
 
 def _engine_error(name: str, exc: BaseException) -> BaseException:

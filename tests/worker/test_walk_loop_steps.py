@@ -13,7 +13,7 @@ import torch
 
 from mstar_async.engines import WAIT, Step, StepResult
 from mstar_async.engines.kv_engine import KVCacheEngine
-from mstar_async.errors import EngineError, KVCacheFull
+from mstar_async.errors import EngineError, KVCacheFull, RequestCancelled
 from mstar_async.models.bagel import bagel_config
 from mstar_async.models.bagel.mot import BagelLM
 from mstar_async.transport import StepCall
@@ -122,6 +122,28 @@ async def test_cancelled_queued_step_leaves_the_queue() -> None:
             await loop.submit(call("gone", 1))  # never taken: no loop is running
     assert not loop.scheduler.has_work
     assert engine.forwards == []
+
+
+async def test_releasing_a_request_fails_its_queued_step_without_cancelling_its_caller() -> None:
+    # A released request's queued step must end its caller with an error: a cancelled future
+    # would cancel the worker task awaiting it, and with it the task group serving the worker.
+    loop = WalkLoop({"lm": CountingEngine()})
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            outcome: list[BaseException] = []
+
+            async def caller() -> None:
+                try:
+                    await loop.submit(call("gone", 1))
+                except RequestCancelled as exc:
+                    outcome.append(exc)
+
+            tg.start_soon(caller)
+            await anyio.wait_all_tasks_blocked()
+            await loop.release("gone")  # no loop runs: the step is still queued
+            await anyio.wait_all_tasks_blocked()
+        assert not tg.cancel_scope.cancel_called
+    assert len(outcome) == 1 and "released" in str(outcome[0])
 
 
 async def test_release_reaches_every_engine() -> None:
