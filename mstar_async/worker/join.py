@@ -2,16 +2,18 @@
 
 The worker dials the launcher's control socket, asks to serve its rank (asking again every
 second until the runtime is there to answer, so it may start first), and gets its
-``WorkerConfig`` back: the model source, the engines of its rank, its batching limits. From
-then on it is the same worker as a local one (``run_worker``: it builds its engines, dials the
-pool's step socket and says ``Hello``), plus a heartbeat thread that keeps telling the launcher
-it is alive and exits the process when the launcher stops answering, since a worker on another
-host has no parent whose death it could follow.
+``WorkerConfig`` back: the model source, the engines of its rank, its batching limits. It
+builds only a model source its own command line allows (``AllowedSources``: the zoo, or
+builders named with ``--source``), never a ``module:function`` the runtime names. From then on
+it is the same worker as a local one (``run_worker``: it builds its engines, dials the pool's
+step socket and says ``Hello``), plus a heartbeat thread that keeps telling the launcher it is
+alive and exits the process when the launcher stops answering, since a worker on another host
+has no parent whose death it could follow.
 
 Exit status: 0 after the runtime's ``Shutdown``; 1 when the worker failed (a traceback is
-logged); 2 when it could not join (refused, or ``join_timeout`` passed); 3 when the conductor
-went silent; 4 when the runtime told it to stop (it killed the worker); 130 on Ctrl-C or
-SIGTERM.
+logged); 2 when it could not join (refused, asked to build a source it does not allow, or
+``join_timeout`` passed); 3 when the conductor went silent; 4 when the runtime told it to stop
+(it killed the worker); 130 on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import replace
 
 import zmq
 
+from mstar_async.errors import SourceRefused
 from mstar_async.logs import get_logger
 from mstar_async.worker.control import (
     Beat,
@@ -42,6 +45,7 @@ from mstar_async.worker.control import (
     split_tcp,
 )
 from mstar_async.worker.main import WorkerConfig, run_worker
+from mstar_async.worker.sources import AllowedSources
 
 __all__ = ["CONDUCTOR_LOST", "JOIN_FAILED", "STOPPED", "run_remote_worker"]
 
@@ -141,11 +145,13 @@ def run_remote_worker(
     threads: int | None = None,
     log_level: str = "WARNING",
     join_timeout: float | None = None,
+    allowed: AllowedSources | None = None,
 ) -> int:
     """Join the runtime listening at ``conductor`` as ``rank`` and serve it until it shuts
     the worker down; returns the exit status (see the module doc). Blocks; runs its own event
     loop. ``threads`` is the torch thread count (default: what the runtime suggests, its own
     host's cores shared among its ranks: pass the cores this host gives the worker).
+    ``allowed``: the model sources this worker builds (default: any zoo model).
 
     Raises:
         MstarError: ``conductor`` is not ``tcp://HOST:PORT``.
@@ -173,27 +179,50 @@ def run_remote_worker(
         if isinstance(answer, Refuse):
             _say(f"rank {rank} refused by the runtime at {where}: {answer.reason}")
             return JOIN_FAILED
-        offered = WorkerConfig(**answer.config)
-        config = replace(
-            offered,
-            endpoint=f"tcp://{answer.data_host or host}:{answer.data_port}",
-            parent_pid=0,  # no parent to follow across hosts: the heartbeat does that job
-            threads=threads or offered.threads,
-            log_level=log_level,
-        )
+        try:
+            config = _accept(answer, allowed or AllowedSources(), host)
+        except SourceRefused as exc:
+            _say(f"rank {rank}: refusing what the runtime at {where} asked: {exc}")
+            _goodbye(sock, Bye(nonce, JOIN_FAILED, f"SourceRefused: {exc}"))
+            return JOIN_FAILED
+        config = replace(config, threads=threads or config.threads, log_level=log_level)
         _say(f"rank {rank}: joined {where}; building engines {config.engines}")
         beats = _Heartbeat(sock, nonce, answer, where)
         beats.start()
         code, error = _serve(config)
         beats.stop()
-        sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye out before the socket closes
-        with contextlib.suppress(zmq.Again):  # no connection left: the runtime's timeout tells
-            sock.send(encode_control(Bye(nonce, code, error)), zmq.NOBLOCK)
+        _goodbye(sock, Bye(nonce, code, error))
         _say(f"rank {rank}: exiting with status {code}")
         return code
     finally:
         sock.close()
         ctx.term()
+
+
+def _accept(welcome: Welcome, allowed: AllowedSources, host: str) -> WorkerConfig:
+    """The configuration this worker runs, from the one the runtime offered: the source
+    checked before anything in it is imported, and what only this host knows put back.
+
+    Raises:
+        SourceRefused: the source is not allowed, or the configuration is malformed.
+    """
+    source = allowed.check(welcome.config.get("source"))
+    try:
+        offered = WorkerConfig(**welcome.config)
+    except TypeError as exc:
+        raise SourceRefused(f"the runtime sent a malformed worker configuration: {exc}") from None
+    return replace(
+        offered,
+        source=source.to_dict(),
+        endpoint=f"tcp://{welcome.data_host or host}:{welcome.data_port}",
+        parent_pid=0,  # no parent to follow across hosts: the heartbeat does that job
+    )
+
+
+def _goodbye(sock: zmq.Socket[bytes], bye: Bye) -> None:
+    sock.setsockopt(zmq.LINGER, 1000)  # let the goodbye out before the socket closes
+    with contextlib.suppress(zmq.Again):  # no connection left: the runtime's timeout tells
+        sock.send(encode_control(bye), zmq.NOBLOCK)
 
 
 def _serve(config: WorkerConfig) -> tuple[int, str]:
