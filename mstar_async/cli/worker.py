@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from mstar_async.cli.keys import add_curve_keys_option, load_curve_keys
 from mstar_async.errors import MstarError
 
 
@@ -84,6 +85,7 @@ def add_worker_parser(sub: Any) -> None:
         metavar="MODULE:FUNCTION",
         help="also build with this model builder when the runtime asks for it (repeatable)",
     )
+    add_curve_keys_option(worker, "this worker's sockets (use the runtime's key folder)")
     worker.set_defaults(handler=_worker)
 
 
@@ -99,6 +101,7 @@ def _worker(args: argparse.Namespace, _: list[str]) -> int:
             threads=args.threads or None,
             log_level=args.log_level,
             join_timeout=args.join_timeout,
+            curve_keys=load_curve_keys(args.curve_keys),
             allowed=AllowedSources(models, frozenset(args.source)),
         )
     except (MstarError, ValueError) as exc:

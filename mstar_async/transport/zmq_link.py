@@ -16,8 +16,8 @@ binds a free port, and :attr:`Server.endpoint` reports the one bound.
 Security. A TCP socket opened with CURVE keys (``curve=`` on :meth:`ZmqHub.bind` /
 :meth:`ZmqHub.connect`; see :mod:`~mstar_async.transport.secure`) is authenticated and
 encrypted: the server admits only the client keys it names, the client talks only to the
-server holding the key it names. IPC sockets need no keys and ignore them: their files sit in
-the hub's private folder.
+server holding the key it names. Without keys, a TCP socket binds loopback addresses only.
+IPC sockets need no keys and ignore them: their files sit in the hub's private folder.
 
 High-water marks. Both sides default to ``hwm=0``, no limit: a full ROUTER pipe would otherwise
 drop messages silently, and flow control belongs to the conductor, which bounds the steps it has
@@ -59,7 +59,7 @@ from mstar_async.transport import shm
 from mstar_async.transport.codec import Buffer
 from mstar_async.transport.curve import CurveClient, CurveServer
 from mstar_async.transport.errors import TransportError
-from mstar_async.transport.secure import Gate, secure_client, secure_server
+from mstar_async.transport.secure import Gate, check_listen, secure_client, secure_server
 from mstar_async.transport.wire import Message, decode_message, encode_message
 
 __all__ = ["Link", "Server", "ZmqHub"]
@@ -360,17 +360,21 @@ class ZmqHub:
         ``tcp://HOST:0`` binds a free port; read it back from :attr:`Server.endpoint`.
         ``shared_memory``: send large tensors through shared memory (default: on for ``ipc://``
         endpoints where ``/dev/shm`` exists; see the module notes). ``curve``: on a TCP
-        endpoint, admit only the clients it names, encrypted. IPC endpoints ignore it.
+        endpoint, admit only the clients it names, encrypted; without it, TCP binds loopback
+        addresses only. IPC endpoints ignore it.
 
         Raises:
             TransportError: the hub is closed, the endpoint cannot be bound (in use,
-                malformed), or ``shared_memory=True`` on an endpoint that is not ``ipc://``.
+                malformed), TCP without ``curve`` on an address that is not loopback, or
+                ``shared_memory=True`` on an endpoint that is not ``ipc://``.
         """
         self._check_open()
         target = self.ipc_endpoint() if endpoint is None else endpoint
         pool = self._pool_for(target, shared_memory)
         secured = curve if target.startswith("tcp://") else None
-        if secured is not None:
+        if secured is None:
+            check_listen(target)
+        else:
             # The gate knows the socket's clients before the socket can take a connection.
             domain = f"mstar-{next(self._names)}"
             self._gate_up().admit(domain, secured.clients)

@@ -10,6 +10,10 @@ step socket and says ``Hello``), plus a heartbeat thread that keeps telling the 
 alive and exits the process when the launcher stops answering, since a worker on another host
 has no parent whose death it could follow.
 
+With CURVE keys (``curve_keys``) every socket of the worker is authenticated and encrypted: it
+talks only to a runtime holding the runtime's secret key. Without keys it joins a runtime on
+this host only (a loopback address), as the runtime listens on nothing else without keys.
+
 Exit status: 0 after the runtime's ``Shutdown``; 1 when the worker failed (a traceback is
 logged); 2 when it could not join (refused, asked to build a source it does not allow, or
 ``join_timeout`` passed); 3 when the conductor went silent; 4 when the runtime told it to stop
@@ -31,8 +35,10 @@ from dataclasses import replace
 
 import zmq
 
-from mstar_async.errors import SourceRefused
+from mstar_async.errors import MstarError, SourceRefused
 from mstar_async.logs import get_logger
+from mstar_async.transport import CurveKeys
+from mstar_async.transport.secure import is_loopback, secure_client
 from mstar_async.worker.control import (
     Beat,
     Bye,
@@ -145,16 +151,20 @@ def run_remote_worker(
     threads: int | None = None,
     log_level: str = "WARNING",
     join_timeout: float | None = None,
+    curve_keys: CurveKeys | None = None,
     allowed: AllowedSources | None = None,
 ) -> int:
     """Join the runtime listening at ``conductor`` as ``rank`` and serve it until it shuts
     the worker down; returns the exit status (see the module doc). Blocks; runs its own event
     loop. ``threads`` is the torch thread count (default: what the runtime suggests, its own
     host's cores shared among its ranks: pass the cores this host gives the worker).
+    ``curve_keys``: the key folder's keys (the worker keypair and the runtime's public key).
     ``allowed``: the model sources this worker builds (default: any zoo model).
 
     Raises:
-        MstarError: ``conductor`` is not ``tcp://HOST:PORT``.
+        MstarError: ``conductor`` is not ``tcp://HOST:PORT``, or is not loopback and there are
+            no ``curve_keys``.
+        TransportError: ``curve_keys`` lack the worker's secret key.
         ValueError: ``rank`` is negative or ``threads`` below 1.
     """
     host, port = split_tcp(conductor, default_host="")
@@ -163,24 +173,36 @@ def run_remote_worker(
     if rank < 0 or (threads is not None and threads < 1):
         raise ValueError(f"rank must be >= 0 and threads >= 1, got rank {rank}, threads {threads}")
     where = f"tcp://{host}:{port}"
+    if curve_keys is None and not is_loopback(host):
+        raise MstarError(
+            f"refusing to join {where} without CURVE keys: anyone on the way could answer as "
+            "the runtime. Pass --curve-keys DIR (or MSTAR_CURVE_KEYS=DIR) with the runtime's "
+            "key folder (`mstar keys generate DIR` made it)"
+        )
+    client = curve_keys.runtime_client() if curve_keys is not None else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     # Queue nothing while unconnected: resent joins would pile up and arrive all at once.
     sock.setsockopt(zmq.IMMEDIATE, 1)
+    if client is not None:
+        secure_client(sock, client)
     sock.connect(where)
     nonce = uuid.uuid4().hex
     try:
         join = Join(rank, nonce, os.getpid(), socket.gethostname())
         answer = _join(sock, join, where, join_timeout)
         if answer is None:
-            _say(f"rank {rank}: no runtime answered at {where} within {join_timeout:g} s")
+            _say(
+                f"rank {rank}: no runtime answered at {where} within {join_timeout:g} s"
+                f"{_key_hint(curve_keys)}"
+            )
             return JOIN_FAILED
         if isinstance(answer, Refuse):
             _say(f"rank {rank} refused by the runtime at {where}: {answer.reason}")
             return JOIN_FAILED
         try:
-            config = _accept(answer, allowed or AllowedSources(), host)
+            config = _accept(answer, allowed or AllowedSources(), host, curve_keys)
         except SourceRefused as exc:
             _say(f"rank {rank}: refusing what the runtime at {where} asked: {exc}")
             _goodbye(sock, Bye(nonce, JOIN_FAILED, f"SourceRefused: {exc}"))
@@ -199,7 +221,9 @@ def run_remote_worker(
         ctx.term()
 
 
-def _accept(welcome: Welcome, allowed: AllowedSources, host: str) -> WorkerConfig:
+def _accept(
+    welcome: Welcome, allowed: AllowedSources, host: str, curve_keys: CurveKeys | None
+) -> WorkerConfig:
     """The configuration this worker runs, from the one the runtime offered: the source
     checked before anything in it is imported, and what only this host knows put back.
 
@@ -216,6 +240,17 @@ def _accept(welcome: Welcome, allowed: AllowedSources, host: str) -> WorkerConfi
         source=source.to_dict(),
         endpoint=f"tcp://{welcome.data_host or host}:{welcome.data_port}",
         parent_pid=0,  # no parent to follow across hosts: the heartbeat does that job
+        curve_keys=str(curve_keys.folder) if curve_keys is not None else "",
+    )
+
+
+def _key_hint(curve_keys: CurveKeys | None) -> str:
+    # A runtime with other keys (or none) never completes the handshake: it looks like silence.
+    if curve_keys is None:
+        return " (this worker has no CURVE keys: a runtime that uses them never answers it)"
+    return (
+        f" (this worker uses the CURVE keys in {curve_keys.folder}: a runtime with other keys, "
+        "or none, never answers it)"
     )
 
 

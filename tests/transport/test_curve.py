@@ -1,5 +1,6 @@
 """CURVE on TCP links: keys made and loaded, only known clients get a message through, nothing
-secret (nor the messages themselves) on the wire; IPC in a private folder."""
+secret (nor the messages themselves) on the wire, and no TCP listening beyond loopback without
+keys."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from mstar_async.transport import (
     ZmqHub,
     generate_curve_keys,
 )
+from mstar_async.transport.secure import is_loopback
 
 from .support import tapped
 
@@ -207,7 +209,21 @@ async def test_neither_keys_nor_messages_cross_the_wire_in_the_clear(
         assert key not in seen and z85.decode(key) not in seen
 
 
-# ---- IPC ---------------------------------------------------------------------------
+# ---- without keys ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_without_keys_tcp_listens_on_loopback_only(hub: ZmqHub, keys: CurveKeys) -> None:
+    for endpoint in ("tcp://0.0.0.0:0", "tcp://*:0"):
+        with pytest.raises(TransportError, match="refusing to listen .* without CURVE keys"):
+            hub.bind(endpoint)
+    assert hub.bind("tcp://127.0.0.1:0").endpoint.startswith("tcp://127.0.0.1:")
+    assert hub.bind("tcp://localhost:0").endpoint.startswith("tcp://127.0.0.1:")
+    assert hub.bind("tcp://0.0.0.0:0", curve=keys.runtime_server()).endpoint
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.3.0.1", "[::1]", "localhost")] == [True] * 4
+    assert [is_loopback(h) for h in ("0.0.0.0", "*", "10.1.2.3", "no-such-host.invalid")] == [
+        False
+    ] * 4
 
 
 @pytest.mark.timeout(30)
