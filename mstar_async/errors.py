@@ -12,6 +12,7 @@
     ├── WorkerLost            a worker process died with requests in flight
     ├── TensorNotHeld         a tensor handle outlived its tensor (request released, restart)
     ├── PlacementError        a placement names an unknown node or rank, or cannot connect a walk
+    ├── SourceRefused         a joining worker was asked to build a model it was not allowed to
     └── ModelNotFound         no model of that name is registered in the zoo
 
 Argument checks on constructors raise plain ``ValueError`` / ``TypeError`` naming the argument,
@@ -68,6 +69,11 @@ class TensorNotHeld(MstarError):
 
 class PlacementError(MstarError):
     """A placement names an unknown node or rank, or cuts a walk's nodes off from each other."""
+
+
+class SourceRefused(MstarError):
+    """A worker that joined over the network was asked to build a model source its command line
+    does not allow; the message names what was asked and what is allowed."""
 
 
 class ModelNotFound(MstarError):

@@ -83,6 +83,7 @@ from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.outputs import TextDelta
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.transport import CurveKeys
 from mstar_async.worker.launchers import LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig
 
@@ -544,6 +545,8 @@ class _ThreadsLauncher:
     ``threads`` torch threads: ``open_runtime`` takes no thread count, and its ``WorkerPool``
     would give a lone worker only the cores left after counting this process as a
     participant (1 of 2), not the count torch has in this process."""
+
+    curve_keys: CurveKeys | None = None  # IPC: no TCP to secure
 
     def __init__(self, threads: int) -> None:
         self.inner = LocalLauncher()

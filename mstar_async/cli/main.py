@@ -1,4 +1,5 @@
-"""``mstar``: run models, list them, benchmark them, serve a rank for another host.
+"""``mstar``: run models, list them, benchmark them, serve a rank for another host, make the
+keys that secure it.
 
 The CLI owns its event loop, so it uses uvloop when present."""
 
@@ -9,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from mstar_async.cli.bench import add_bench_parser
+from mstar_async.cli.keys import add_keys_parser
 from mstar_async.cli.run import add_run_parser
 from mstar_async.cli.serve import add_serve_parser
 from mstar_async.cli.worker import add_worker_parser
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_worker_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 

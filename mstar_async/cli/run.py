@@ -31,12 +31,14 @@ from typing import Any
 
 from mstar_async.audio import EXTENSIONS as AUDIO_EXTENSIONS
 from mstar_async.audio import write_audio
+from mstar_async.cli.keys import add_curve_keys_option, load_curve_keys
 from mstar_async.errors import MstarError
 from mstar_async.graph import Model
 from mstar_async.logs import muted
 from mstar_async.models import ModelEntry, build_model, list_models, model_entry
 from mstar_async.outputs import ActionOutput, AudioChunk, ImageOutput, LatentOutput, TextDelta
 from mstar_async.placement import Placement
+from mstar_async.transport.secure import check_listen
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.remote import RemoteLauncher
 
@@ -90,6 +92,7 @@ def add_run_parser(sub: Any) -> None:
             "hosts: puts on other hosts); e.g. 0,1 to try it all on one host"
         ),
     )
+    add_curve_keys_option(run, "the --listen sockets and the workers' traffic")
     run.set_defaults(handler=_run)
 
 
@@ -410,7 +413,8 @@ def _launcher(args: argparse.Namespace, placement: Placement | None) -> RemoteLa
     """The launcher ``--listen`` and ``--join`` ask for, or None.
 
     Raises:
-        MstarError: one is given without what it needs, or a value is wrong.
+        MstarError: one is given without what it needs, a value is wrong, the key folder
+            cannot be used, or ``--listen`` is not loopback and there are no keys.
     """
     if args.listen is None:
         if args.join is not None:
@@ -418,12 +422,17 @@ def _launcher(args: argparse.Namespace, placement: Placement | None) -> RemoteLa
         return None
     if placement is None:
         raise MstarError("--listen needs --placement: its hosts: say which ranks join")
+    keys = load_curve_keys(args.curve_keys)
     try:
         if args.join is not None:
-            return RemoteLauncher(args.listen, ranks=_ranks(args.join))
-        return RemoteLauncher.for_placement(placement, args.listen)
+            launcher = RemoteLauncher(args.listen, ranks=_ranks(args.join), curve_keys=keys)
+        else:
+            launcher = RemoteLauncher.for_placement(placement, args.listen, curve_keys=keys)
     except ValueError as exc:
         raise MstarError(f"--join {args.join}: {exc}") from None
+    if keys is None:  # before the model is built: its open() would refuse only after that
+        check_listen(f"tcp://{launcher.listen_host}:{launcher.listen_port}")
+    return launcher
 
 
 def _build(entry: ModelEntry, options: dict[str, Any]) -> Model:

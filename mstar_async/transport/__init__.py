@@ -10,7 +10,9 @@ processes the same message travels as a small typed header plus raw tensor frame
 - :mod:`~mstar_async.transport.shm`: shared-memory segments that carry large tensors between
   processes on one host (IPC links use them for tensors of :data:`SHM_TENSOR_BYTES` or more);
 - :mod:`~mstar_async.transport.zmq_link`: :class:`ZmqHub`, the ROUTER :class:`Server` and the
-  DEALER :class:`Link` over ``zmq.asyncio`` (IPC and TCP).
+  DEALER :class:`Link` over ``zmq.asyncio`` (IPC and TCP);
+- :mod:`~mstar_async.transport.curve` and :mod:`~mstar_async.transport.secure`: the CURVE keys
+  that authenticate and encrypt TCP sockets, and how a socket uses them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mstar_async.transport.codec import (
     tensor_buffer,
     tensor_from_buffer,
 )
+from mstar_async.transport.curve import CurveClient, CurveKeys, CurveServer, generate_curve_keys
 from mstar_async.transport.errors import (
     RemoteError,
     TransportError,
@@ -63,6 +66,9 @@ __all__ = [
     "INLINE_TENSOR_BYTES",
     "SHM_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
+    "CurveClient",
+    "CurveKeys",
+    "CurveServer",
     "ErrorInfo",
     "FeedWalk",
     "FetchTensor",
@@ -91,6 +97,7 @@ __all__ = [
     "decode_value",
     "encode_message",
     "encode_value",
+    "generate_curve_keys",
     "lookup_remote_error",
     "register_remote_error",
     "register_wire_type",

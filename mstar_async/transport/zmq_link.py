@@ -9,9 +9,15 @@ uvloop and the default selector loop on Linux/macOS both provide it. Only the Wi
 loop lacks it, where pyzmq runs a selector thread of its own. A socket belongs to the loop that
 first uses it: open and use a hub inside one running loop.
 
-Endpoints. ``ipc://PATH`` for processes on one host (``hub.ipc_endpoint()`` makes a unique one),
-``tcp://HOST:PORT`` across hosts; port ``0`` (or ``*``) binds a free port, and
-:attr:`Server.endpoint` reports the one bound.
+Endpoints. ``ipc://PATH`` for processes on one host (``hub.ipc_endpoint()`` makes a unique one,
+in a folder only this user can enter), ``tcp://HOST:PORT`` across hosts; port ``0`` (or ``*``)
+binds a free port, and :attr:`Server.endpoint` reports the one bound.
+
+Security. A TCP socket opened with CURVE keys (``curve=`` on :meth:`ZmqHub.bind` /
+:meth:`ZmqHub.connect`; see :mod:`~mstar_async.transport.secure`) is authenticated and
+encrypted: the server admits only the client keys it names, the client talks only to the
+server holding the key it names. Without keys, a TCP socket binds loopback addresses only.
+IPC sockets need no keys and ignore them: their files sit in the hub's private folder.
 
 High-water marks. Both sides default to ``hwm=0``, no limit: a full ROUTER pipe would otherwise
 drop messages silently, and flow control belongs to the conductor, which bounds the steps it has
@@ -51,7 +57,9 @@ import zmq.asyncio
 
 from mstar_async.transport import shm
 from mstar_async.transport.codec import Buffer
+from mstar_async.transport.curve import CurveClient, CurveServer
 from mstar_async.transport.errors import TransportError
+from mstar_async.transport.secure import Gate, check_listen, secure_client, secure_server
 from mstar_async.transport.wire import Message, decode_message, encode_message
 
 __all__ = ["Link", "Server", "ZmqHub"]
@@ -317,6 +325,7 @@ class ZmqHub:
         self._pool: shm.SegmentPool | None = None
         self._ipc_dir: str | None = None
         self._names = itertools.count()
+        self._gate: Gate | None = None
         self._closed = False
 
     @property
@@ -339,23 +348,40 @@ class ZmqHub:
         return f"ipc://{path}"
 
     def bind(
-        self, endpoint: str | None = None, *, hwm: int = 0, shared_memory: bool | None = None
+        self,
+        endpoint: str | None = None,
+        *,
+        hwm: int = 0,
+        shared_memory: bool | None = None,
+        curve: CurveServer | None = None,
     ) -> Server:
         """Open a ROUTER :class:`Server` bound to ``endpoint`` (default: a fresh IPC endpoint).
 
         ``tcp://HOST:0`` binds a free port; read it back from :attr:`Server.endpoint`.
         ``shared_memory``: send large tensors through shared memory (default: on for ``ipc://``
-        endpoints where ``/dev/shm`` exists; see the module notes).
+        endpoints where ``/dev/shm`` exists; see the module notes). ``curve``: on a TCP
+        endpoint, admit only the clients it names, encrypted; without it, TCP binds loopback
+        addresses only. IPC endpoints ignore it.
 
         Raises:
             TransportError: the hub is closed, the endpoint cannot be bound (in use,
-                malformed), or ``shared_memory=True`` on an endpoint that is not ``ipc://``.
+                malformed), TCP without ``curve`` on an address that is not loopback, or
+                ``shared_memory=True`` on an endpoint that is not ``ipc://``.
         """
         self._check_open()
         target = self.ipc_endpoint() if endpoint is None else endpoint
         pool = self._pool_for(target, shared_memory)
+        secured = curve if target.startswith("tcp://") else None
+        if secured is None:
+            check_listen(target)
+        else:
+            # The gate knows the socket's clients before the socket can take a connection.
+            domain = f"mstar-{next(self._names)}"
+            self._gate_up().admit(domain, secured.clients)
         sock = self._socket(zmq.ROUTER, hwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if secured is not None:
+            secure_server(sock, secured, domain)
         try:
             sock.bind(target)
             bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -371,12 +397,15 @@ class ZmqHub:
         identity: bytes | None = None,
         hwm: int = 0,
         shared_memory: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> Link:
         """Open a DEALER :class:`Link` to ``endpoint``; messages queue until the peer is up.
 
         ``identity`` is what the server sees as this link's identity (default: one libzmq
         picks); give it when the server must address a known peer, e.g. ``b"rank-3"``.
-        ``shared_memory`` as for :meth:`bind`.
+        ``shared_memory`` as for :meth:`bind`. ``curve``: on a TCP endpoint, talk only to the
+        server holding the key it names, encrypted (nothing is delivered until the handshake
+        succeeds); IPC endpoints ignore it.
 
         Raises:
             TransportError: the hub is closed, the endpoint is malformed, or
@@ -385,6 +414,8 @@ class ZmqHub:
         self._check_open()
         pool = self._pool_for(endpoint, shared_memory)
         sock = self._socket(zmq.DEALER, hwm)
+        if curve is not None and endpoint.startswith("tcp://"):
+            secure_client(sock, curve)
         try:
             if identity is not None:
                 sock.setsockopt(zmq.ROUTING_ID, identity)
@@ -402,6 +433,8 @@ class ZmqHub:
         if self._closed:
             return
         self._closed = True
+        if self._gate is not None:
+            self._gate.close()
         for sock in list(self._sockets):
             sock.close()
         self._ctx.term()
@@ -417,6 +450,11 @@ class ZmqHub:
         self, tp: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _gate_up(self) -> Gate:
+        if self._gate is None:
+            self._gate = Gate(self._ctx)
+        return self._gate
 
     def _check_open(self) -> None:
         if self._closed:

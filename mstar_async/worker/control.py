@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Bumped when the conversation changes; a worker of another version is refused by name.
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class Join(msgspec.Struct, tag="join", frozen=True):

@@ -4,6 +4,8 @@ A launcher turns a ``WorkerConfig`` into a running worker and hands back a ``Wor
 (wait for it to end, kill it). Whatever starts it, the worker is the same ``serve(config)``: it
 connects a DEALER to the pool's ROUTER and step tensors travel over ZeroMQ, IPC on one host or
 TCP across hosts. A launcher only places, starts and stops workers; it never carries a tensor.
+Its ``curve_keys`` secure the TCP sockets: the pool binds with them and tells each worker the
+key folder's path, where the worker (on its own host) loads them.
 
 - ``LocalLauncher`` (the default) runs each rank as a child process of this one.
 - ``RayLauncher`` runs each rank as a Ray actor on an existing Ray cluster, which puts it on a
@@ -32,6 +34,7 @@ from anyio.abc import Process
 
 from mstar_async.errors import MstarError, WorkerLost
 from mstar_async.logs import get_logger
+from mstar_async.transport import CurveKeys
 from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, run_worker
 
 __all__ = ["Launcher", "LocalLauncher", "RayLauncher", "WorkerHandle"]
@@ -67,7 +70,13 @@ class WorkerHandle(Protocol):
 class Launcher(Protocol):
     """What starts ``WorkerPool``'s workers. A launcher serves one pool at a time: the pool
     calls ``open`` once on entry, ``start`` for every worker (restarts included) and ``aclose``
-    once on exit."""
+    once on exit.
+
+    ``curve_keys`` are the CURVE keys of the TCP sockets between the pool and these workers,
+    which load them from the same folder on their own hosts; None: no keys, so TCP stays on
+    loopback addresses."""
+
+    curve_keys: CurveKeys | None
 
     async def open(self) -> str | None:
         """Get ready to start workers, and say where they reach the pool.
@@ -128,10 +137,14 @@ class LocalLauncher:
 
     With ``endpoint_host`` (e.g. ``"127.0.0.1"``) workers reach the pool over TCP at that
     address instead of IPC; the workers are still local, so this only exercises the TCP path.
+    ``curve_keys`` secure that TCP (see ``Launcher``).
     """
 
-    def __init__(self, *, endpoint_host: str | None = None) -> None:
+    def __init__(
+        self, *, endpoint_host: str | None = None, curve_keys: CurveKeys | None = None
+    ) -> None:
         self.endpoint_host = endpoint_host
+        self.curve_keys = curve_keys
 
     async def open(self) -> str | None:
         """Return ``endpoint_host``. Never raises."""
@@ -304,7 +317,8 @@ class RayLauncher:
 
     Workers connect to the pool over ZeroMQ TCP at ``endpoint_host`` (default: this node's
     address as Ray knows it), which every node must be able to reach. Tensors never go through
-    Ray's object store.
+    Ray's object store. That TCP needs ``curve_keys`` unless ``endpoint_host`` is loopback (a
+    one-node cluster): each node must hold the key folder at the same path.
 
     ``start_timeout`` bounds how long joining the cluster, and placing and starting one actor,
     may take (Ray would wait forever for a cluster that is gone, or for resources none of its
@@ -327,8 +341,10 @@ class RayLauncher:
         num_gpus_per_rank: float = 0,
         endpoint_host: str | None = None,
         start_timeout: float = 120.0,
+        curve_keys: CurveKeys | None = None,
     ) -> None:
         self._ray = _import_ray()
+        self.curve_keys = curve_keys
         self.address = address
         self.resources_per_rank = {
             rank: dict(request) for rank, request in (resources_per_rank or {}).items()

@@ -20,6 +20,7 @@ import torch
 from mstar_async.graph import ModelSource
 from mstar_async.logs import configure_logging, get_logger
 from mstar_async.transport import (
+    CurveKeys,
     FeedWalk,
     FetchTensor,
     Hello,
@@ -49,7 +50,9 @@ log = get_logger("mstar_async.worker")
 class WorkerConfig:
     """What a worker process needs to start: its rank, where the conductor listens, how to
     rebuild the model, which engines to build, and its share of the CPU. ``parent_pid`` is the
-    process whose end ends the worker; 0 for none (a worker on another host)."""
+    process whose end ends the worker; 0 for none (a worker on another host). ``curve_keys``
+    is the CURVE key folder on the worker's host, for its TCP sockets (empty: no keys; the
+    folder's path, never a key, is what travels)."""
 
     rank: int
     generation: int
@@ -61,6 +64,7 @@ class WorkerConfig:
     max_batch_tokens: int = 512
     forward_time_bound_s: float = 0.1
     log_level: str = "WARNING"
+    curve_keys: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -89,10 +93,12 @@ async def serve(config: WorkerConfig) -> None:
     """Run the worker until ``Shutdown``, or until the parent process is gone.
 
     Raises:
+        TransportError: the CURVE keys ``config`` names cannot be loaded.
         Whatever building the model or an engine raises (the process then exits non-zero and
         the pool reports it).
     """
     register_wire_types()
+    keys = CurveKeys.load(config.curve_keys) if config.curve_keys else None
     model = ModelSource(**config.source).build()
     engines = {name: model.components[name]() for name in config.engines}
     batching = WalkLoop(
@@ -101,9 +107,13 @@ async def serve(config: WorkerConfig) -> None:
         forward_time_bound_s=config.forward_time_bound_s,
     )
     with ZmqHub() as hub:
-        link = hub.connect(config.endpoint, identity=identity(config.rank, config.generation))
-        peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint)
-        tensors = WorkerTensors(hub, TensorStore(config.rank, config.generation))
+        link = hub.connect(
+            config.endpoint,
+            identity=identity(config.rank, config.generation),
+            curve=keys.runtime_client() if keys is not None else None,
+        )
+        peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint, keys)
+        tensors = WorkerTensors(hub, TensorStore(config.rank, config.generation), keys)
         walks = WalkService(model, batching, link, tensors)
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)

@@ -105,10 +105,13 @@ class WorkerPool:
     count (default: the cores shared out between the ranks and this process, so nobody
     oversubscribes them).
     ``launcher`` starts the workers (default: ``LocalLauncher()``, child processes over IPC); the
-    pool calls its ``open`` on entry, binds TCP if it names a host, and its ``aclose`` on exit.
+    pool calls its ``open`` on entry, binds TCP if it names a host (with the launcher's CURVE
+    keys, or on loopback only without), and its ``aclose`` on exit.
 
     Raises:
         WorkerLost: a worker exited or failed to become ready in time while starting.
+        TransportError: TCP without keys on a host that is not loopback, or keys without the
+            runtime's secret key.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class WorkerPool:
         self._hub: ZmqHub | None = None
         self._server: Server | None = None
         self._endpoint = ""
+        self._curve_folder = ""  # where workers find the CURVE keys, when the pool has TCP keys
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
@@ -164,13 +168,21 @@ class WorkerPool:
                 self._server = self._hub.bind()
                 self._endpoint = self._server.endpoint
             else:
-                # Every interface, since the address workers dial may not be one this host
-                # can bind by name; they are told the host the launcher named (and its port,
-                # when it names one: a firewall may allow only that one).
+                # With keys, every interface, since the address workers dial may not be one
+                # this host can bind by name; without, only the host named, which must then be
+                # loopback (the hub refuses others). Workers are told the host the launcher
+                # named (and its port, when it names one: a firewall may allow only that one).
                 fixed = "0"
                 if host.startswith("tcp://"):
                     host, _, fixed = host.removeprefix("tcp://").rpartition(":")
-                self._server = self._hub.bind(f"tcp://0.0.0.0:{fixed}")
+                keys = self.launcher.curve_keys
+                if keys is None:
+                    self._server = self._hub.bind(f"tcp://{host}:{fixed}")
+                else:
+                    self._server = self._hub.bind(
+                        f"tcp://0.0.0.0:{fixed}", curve=keys.runtime_server()
+                    )
+                    self._curve_folder = str(keys.folder)
                 port = self._server.endpoint.rsplit(":", 1)[1]
                 self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
@@ -225,6 +237,7 @@ class WorkerPool:
             max_batch_tokens=self.max_batch_tokens,
             forward_time_bound_s=self.forward_time_bound_s,
             log_level=self.log_level,
+            curve_keys=self._curve_folder,
         )
         state.worker = await self.launcher.start(config)
         log.info("worker.start", rank=state.rank, pid=state.worker.pid, generation=state.generation)

@@ -12,6 +12,10 @@ Two sockets on the conductor's host: the launcher's control socket at ``listen``
 heartbeats, see ``mstar_async.worker.control``) and the pool's step socket at ``data_port``
 (default: the next port), which the worker dials at the host it reached the launcher at.
 
+With CURVE keys (``curve_keys``) both sockets, and the workers' peer sockets, admit only
+workers holding the worker key, and workers talk only to a runtime holding the runtime key;
+without keys both listen on a loopback address only (workers on this host).
+
 A remote worker that dies (or whose host or network does) is seen when its heartbeats stop:
 its in-flight steps fail with ``WorkerLost`` naming the rank. It is not restarted (this process
 did not start it and cannot start it again), so the rank stays down until the runtime is
@@ -35,6 +39,8 @@ import zmq
 from mstar_async.errors import MstarError, WorkerLost
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
+from mstar_async.transport import CurveKeys, CurveServer
+from mstar_async.transport.secure import Gate, check_listen, secure_server
 from mstar_async.worker.control import (
     PROTOCOL,
     Beat,
@@ -65,6 +71,7 @@ LOST = -1
 
 _POLL_MS = 50
 _WAIT_POLL_S = 0.05
+_CONTROL_DOMAIN = "mstar-control"
 
 
 class RemoteWorker:
@@ -138,8 +145,11 @@ class RemoteLauncher:
 
     ``data_port`` is the pool's step socket (default: the ``listen`` port + 1, or a free one
     when that is 0); ``data_host`` is where remote workers dial it (default: the host they
-    reached ``listen`` at). Open both ports to the worker hosts. Neither socket has
-    authentication or encryption: a trusted network only.
+    reached ``listen`` at). Open both ports to the worker hosts.
+
+    ``curve_keys`` authenticate and encrypt both sockets (the runtime's secret key and the
+    workers' public key; local ranks, which dial the pool over TCP too, also need the worker's
+    secret key). Without keys, ``listen`` must be a loopback address.
 
     A worker beats every ``heartbeat`` seconds; either side that hears nothing for
     ``timeout`` seconds takes the other for gone. A rank nobody joins within ``join_timeout``
@@ -149,6 +159,7 @@ class RemoteLauncher:
         ValueError: a non-positive timing, ``timeout`` not above ``heartbeat``, or a negative
             rank.
         MstarError: ``listen`` is not a TCP address.
+        TransportError: ``curve_keys`` lack the runtime's secret key.
     """
 
     def __init__(
@@ -163,8 +174,11 @@ class RemoteLauncher:
         timeout: float = 5.0,
         join_timeout: float = 120.0,
         local: Launcher | None = None,
+        curve_keys: CurveKeys | None = None,
     ) -> None:
         self.listen_host, self.listen_port = split_tcp(listen)
+        self.curve_keys = curve_keys
+        self._curve: CurveServer | None = curve_keys.runtime_server() if curve_keys else None
         self.ranks = None if ranks is None else frozenset(ranks)
         self.hosts = dict(hosts or {})
         self.data_port = data_port
@@ -181,6 +195,7 @@ class RemoteLauncher:
             raise ValueError(f"ranks must be >= 0, got {sorted(self.ranks or ())}")
         self.address = ""
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._gate: Gate | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -215,7 +230,8 @@ class RemoteLauncher:
         if host in ("0.0.0.0", "*", "[::]"):
             host = socket.gethostname()  # listening everywhere: name the host itself
         port = self._port or self.listen_port
-        return f"mstar worker --conductor tcp://{host}:{port} --rank {rank}"
+        keys = f" --curve-keys {self.curve_keys.folder}" if self.curve_keys else ""
+        return f"mstar worker --conductor tcp://{host}:{port} --rank {rank}{keys}"
 
     # ------------------------------------------------------------------ Launcher
 
@@ -225,25 +241,35 @@ class RemoteLauncher:
         they joined through). Returns at once; workers join as the pool starts their ranks.
 
         Raises:
-            MstarError: ``listen`` cannot be bound (in use, not an address of this host).
+            MstarError: ``listen`` cannot be bound (in use, not an address of this host), or
+                is not loopback and there are no ``curve_keys`` (a ``TransportError``).
         """
         if self._thread is not None:
             raise MstarError("RemoteLauncher serves one runtime at a time; it is already open")
         self._workers = {}  # a launcher reopened for another runtime starts afresh
         self._outbox.clear()
+        endpoint = f"tcp://{self.listen_host}:{self.listen_port}"
+        if self._curve is None:
+            check_listen(endpoint)
         self._ctx = zmq.Context()
+        if self._curve is not None:
+            # The gate knows who may join before the socket can take a connection.
+            self._gate = Gate(self._ctx)
+            self._gate.admit(_CONTROL_DOMAIN, self._curve.clients)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self._curve is not None:
+            secure_server(sock, self._curve, _CONTROL_DOMAIN)
         try:
-            bound = sock.bind(f"tcp://{self.listen_host}:{self.listen_port}")
+            bound = sock.bind(endpoint)
             port = int(bound.addr.rsplit(":", 1)[1])
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            self._ctx.term()
+            self._close_context()
             raise MstarError(
-                f"cannot listen for remote workers on tcp://{self.listen_host}:"
-                f"{self.listen_port}: {exc}; pick another port (RemoteLauncher(listen=...))"
+                f"cannot listen for remote workers on {endpoint}: {exc}; pick another port "
+                "(RemoteLauncher(listen=...))"
             ) from exc
         self._sock = sock
         self.address = f"tcp://{self.listen_host}:{port}"
@@ -333,6 +359,13 @@ class RemoteLauncher:
                     worker.end(LOST, f"the launcher's control thread failed: {exc!r}")
         finally:
             sock.close(linger=0)
+            self._close_context()
+
+    def _close_context(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+        if self._ctx is not None:
             self._ctx.term()
 
     def _receive(self, sock: zmq.Socket[bytes]) -> None:
@@ -393,8 +426,9 @@ class RemoteLauncher:
         return self._welcome(worker)
 
     def _welcome(self, worker: RemoteWorker) -> Welcome:
+        # The worker uses its own key folder and none of this host's paths.
         return Welcome(
-            worker.config.__dict__,
+            replace(worker.config, curve_keys="").__dict__,
             data_port=self._data_port or _port_of(worker.config.endpoint),
             heartbeat=self.heartbeat,
             timeout=self.timeout,

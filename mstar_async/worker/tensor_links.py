@@ -22,6 +22,7 @@ import torch
 from mstar_async.errors import TensorNotHeld
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
+    CurveKeys,
     ErrorInfo,
     FetchTensor,
     Link,
@@ -44,21 +45,30 @@ FETCH_TIMEOUT = 60.0
 log = get_logger("mstar_async.worker.tensors")
 
 
-def bind_peer_endpoint(hub: ZmqHub, conductor_endpoint: str) -> tuple[Server, str]:
+def bind_peer_endpoint(
+    hub: ZmqHub, conductor_endpoint: str, keys: CurveKeys | None = None
+) -> tuple[Server, str]:
     """Bind this worker's peer server and return it with the endpoint peers should dial.
 
-    IPC when the conductor is reached over IPC (all workers on one host), else TCP on every
-    interface, advertised under the address this host uses to reach the conductor.
+    IPC when the conductor is reached over IPC (all workers on one host), else TCP advertised
+    under the address this host uses to reach the conductor: on every interface with CURVE
+    ``keys`` (peers present the worker key), on that address alone without (loopback only:
+    the conductor, and so every peer, is on this host then).
 
     Raises:
-        TransportError: the endpoint cannot be bound.
+        TransportError: the endpoint cannot be bound, or it is not loopback and there are no
+            ``keys``.
     """
     if conductor_endpoint.startswith("ipc://"):
         server = hub.bind()
         return server, server.endpoint
-    server = hub.bind("tcp://0.0.0.0:0")
+    local = _local_address(conductor_endpoint)
+    if keys is None:
+        server = hub.bind(f"tcp://{local}:0")
+    else:
+        server = hub.bind("tcp://0.0.0.0:0", curve=keys.peer_server())
     port = server.endpoint.rsplit(":", 1)[1]
-    return server, f"tcp://{_local_address(conductor_endpoint)}:{port}"
+    return server, f"tcp://{local}:{port}"
 
 
 def _local_address(endpoint: str) -> str:
@@ -87,11 +97,16 @@ class WorkerTensors:
 
     ``resolve`` turns the handles in a step's inputs into tensors; ``keep`` turns a step's large
     outputs into handles; ``answer`` serves a ``FetchTensor``; ``serve`` answers peers.
+    With CURVE ``keys``, links to peers over TCP present the worker key and trust only it.
+
+    Raises:
+        TransportError: ``keys`` lack the worker's secret key.
     """
 
-    def __init__(self, hub: ZmqHub, store: TensorStore) -> None:
+    def __init__(self, hub: ZmqHub, store: TensorStore, keys: CurveKeys | None = None) -> None:
         self.hub = hub
         self.store = store
+        self._curve = keys.peer_client() if keys is not None else None
         self._endpoints: dict[int, str] = {}
         self._peers: dict[int, _Peer] = {}
         self._ids = itertools.count()
@@ -171,7 +186,8 @@ class WorkerTensors:
                     f"rank {self.store.rank} knows no endpoint for rank {rank}; ranks known: "
                     f"{sorted(self._endpoints)}"
                 )
-            peer = self._peers[rank] = _Peer(endpoint, self.hub.connect(endpoint))
+            link = self.hub.connect(endpoint, curve=self._curve)
+            peer = self._peers[rank] = _Peer(endpoint, link)
         return peer
 
     async def run_step(

@@ -72,23 +72,29 @@ def test_mstar_run_bagel_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixt
         assert image.size == (64, 64) and image.mode == "RGB"
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["loopback", "curve-keys"])
 def test_mstar_run_serves_a_rank_joined_by_mstar_worker(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, keyed: bool
 ) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    keys: list[str] = []
+    if keyed:
+        assert main(["keys", "generate", str(tmp_path / "keys")]) == 0
+        capsys.readouterr()
+        keys = ["--curve-keys", str(tmp_path / "keys")]
     conductor = f"tcp://127.0.0.1:{port}"
     command = [sys.executable, "-m", "mstar_async.cli", "worker", "--conductor", conductor]
     worker = subprocess.Popen(
-        [*command, "--rank", "1", "--threads", "1"],
+        [*command, "--rank", "1", "--threads", "1", *keys],
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         placement = str(ROOT / "examples" / "placements" / "codec_split.yaml")
-        serve = ["run", "demo", "--json", "--placement", placement, "--listen", conductor]
+        serve = ["run", "demo", "--json", "--placement", placement, "--listen", conductor, *keys]
         code = main([*serve, "--join", "1", "--max-codes", "16", "--steps", "2"])
         assert code == 0
         summary = json.loads(capsys.readouterr().out)
@@ -110,3 +116,34 @@ def test_mstar_run_listen_needs_a_placement(capsys: pytest.CaptureFixture[str]) 
 def test_mstar_worker_rejects_a_bad_conductor(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["worker", "--conductor", "10.0.0.1", "--rank", "0"]) == 2
     assert "tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_mstar_keys_generate_writes_a_key_folder_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "keys"
+    assert main(["keys", "generate", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "worker hosts: runtime.key, worker.key and worker.key_secret" in out
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "runtime.key",
+        "runtime.key_secret",
+        "worker.key",
+        "worker.key_secret",
+    ]
+    assert main(["keys", "generate", str(folder)]) == 2
+    assert "not overwriting keys" in capsys.readouterr().err
+
+
+def test_mstar_worker_refuses_what_it_cannot_secure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    worker = ["worker", "--rank", "0", "--conductor"]
+    assert main([*worker, "tcp://10.0.0.1:5555"]) == 2
+    assert "refusing to join tcp://10.0.0.1:5555 without CURVE keys" in capsys.readouterr().err
+    nowhere = str(tmp_path / "nowhere")
+    assert main([*worker, "tcp://127.0.0.1:5555", "--curve-keys", nowhere]) == 2
+    assert f"no CURVE key folder {nowhere}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*worker, "tcp://127.0.0.1:5555", "--source", "no-function"])
+    assert "expected MODULE:FUNCTION" in capsys.readouterr().err

@@ -159,6 +159,11 @@ def test_listen_and_join_are_checked_before_loading(capsys: pytest.CaptureFixtur
     assert fails(["run", "demo", "--join", "1"], capsys) == (
         "mstar run: --join needs --listen: the address the ranks join"
     )
+    everywhere = ["--placement", placement, "--listen", "tcp://0.0.0.0:5555"]
+    line = fails(["run", "demo", *everywhere], capsys)
+    assert line.startswith("mstar run: refusing to listen on tcp://0.0.0.0:5555 without CURVE")
+    line = fails(["run", "demo", *everywhere, "--curve-keys", "/no/such/keys"], capsys)
+    assert line.startswith("mstar run: no CURVE key folder /no/such/keys")
 
 
 def test_a_builder_option_out_of_range_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

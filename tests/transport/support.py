@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
+from anyio.abc import SocketAttribute, SocketStream
 from hypothesis import settings
 from hypothesis import strategies as st
 
@@ -38,6 +42,32 @@ def address(buffer: Any) -> int:
 def open_fds() -> int:
     """How many file descriptors this process has open."""
     return len(os.listdir("/proc/self/fd"))
+
+
+async def relay(source: SocketStream, sink: SocketStream, seen: bytearray) -> None:
+    async for chunk in source:
+        seen += chunk
+        await sink.send(chunk)
+
+
+@asynccontextmanager
+async def tapped(port: int) -> AsyncIterator[tuple[int, bytearray]]:
+    """A TCP relay on loopback to ``port`` that keeps every byte it forwards: its own port and
+    the bytes."""
+    seen = bytearray()
+
+    async def forward(client: SocketStream) -> None:
+        async with client, await anyio.connect_tcp("127.0.0.1", port) as upstream:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relay, client, upstream, seen)
+                await relay(upstream, client, seen)
+                tg.cancel_scope.cancel()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, forward)
+        yield listener.extra(SocketAttribute.local_port), seen
+        tg.cancel_scope.cancel()
 
 
 def path_exists(path: str) -> bool:

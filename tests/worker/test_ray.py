@@ -18,6 +18,7 @@ from mstar_async.errors import MstarError, WorkerLost
 from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
+from mstar_async.transport import CurveKeys, TransportError, generate_curve_keys
 from mstar_async.worker.launchers import LocalLauncher, RayLauncher
 from tests.worker.test_processes import assert_same, run_demo, wait_gone
 
@@ -94,13 +95,20 @@ def local_ray() -> Iterator[Any]:
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> CurveKeys:
+    return generate_curve_keys(tmp_path_factory.mktemp("ray") / "keys")
+
+
 @pytest.mark.anyio
 async def test_ray_actors_serve_the_same_answers_recover_and_end_with_the_runtime(
-    local_ray: Any,
+    local_ray: Any, keys: CurveKeys
 ) -> None:
     ray = local_ray
     expected = await in_process()
-    launcher = RayLauncher()  # Ray is initialized here already: it joins that
+    # Ray is initialized here already: it joins that. The pool listens on this node's
+    # address as Ray knows it, not loopback: CURVE keys, which the actors load by path.
+    launcher = RayLauncher(curve_keys=keys)
     async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=launcher) as rt:
         pool = rt.pool
         assert pool is not None
@@ -137,9 +145,22 @@ async def test_ray_actors_serve_the_same_answers_recover_and_end_with_the_runtim
 
 @ONE_LOOP
 @pytest.mark.anyio
-async def test_a_rank_the_cluster_cannot_place_fails_to_start(local_ray: Any) -> None:
-    launcher = RayLauncher(resources_per_rank={0: {"no-such-accelerator": 1}}, start_timeout=2)
+async def test_a_rank_the_cluster_cannot_place_fails_to_start(
+    local_ray: Any, keys: CurveKeys
+) -> None:
+    launcher = RayLauncher(
+        resources_per_rank={0: {"no-such-accelerator": 1}}, start_timeout=2, curve_keys=keys
+    )
     with pytest.raises(WorkerLost, match="did not start worker rank 0"):
         async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=launcher):
             pass
     assert await eventually(lambda: not mstar_actors(local_ray))
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_without_keys_the_pool_does_not_listen_on_the_nodes_address(local_ray: Any) -> None:
+    with pytest.raises(TransportError, match="refusing to listen on tcp://.* without CURVE keys"):
+        async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=RayLauncher()):
+            pass
+    assert mstar_actors(local_ray) == []

@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,70 +35,17 @@ from mstar_async.worker.control import (
 from mstar_async.worker.join import CONDUCTOR_LOST, JOIN_FAILED, run_remote_worker
 from mstar_async.worker.main import WorkerConfig
 from mstar_async.worker.remote import RemoteLauncher
+from tests.worker.joining import (
+    CODEC_SPLIT,
+    INPUTS,
+    ONE_LOOP,
+    Workers,
+    free_port,
+    in_process,
+    launcher,
+)
 from tests.worker.models import build_demo_needing_a_checkpoint
-from tests.worker.test_processes import EXAMPLES, assert_same, run_demo
-
-ROOT = Path(__file__).resolve().parents[2]
-ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
-INPUTS = {"text": "over plain tcp", "max_codes": 16, "steps": 2, "seed": 3}
-CODEC_SPLIT = Placement.from_yaml(EXAMPLES / "codec_split.yaml")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
-class Workers:
-    """``mstar worker`` processes, their stderr kept in files."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    def start(
-        self, port: int, rank: int, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "mstar_async.cli", "worker"]
-        command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank", str(rank)]
-        with open(self.folder / f"rank{rank}.err", "wb") as err:
-            proc = subprocess.Popen(
-                [*command, "--threads", "1"],
-                cwd=ROOT,
-                stderr=err,
-                env={**os.environ, **(env or {})},
-            )
-        self.procs[rank] = proc
-        return proc
-
-    def stderr(self, rank: int) -> str:
-        return (self.folder / f"rank{rank}.err").read_text()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    started = Workers(tmp_path)
-    yield started
-    started.stop()
-
-
-async def in_process() -> list[Any]:
-    async with open_runtime(build_model("demo")) as runtime:
-        return await run_demo(runtime, **INPUTS)
-
-
-def launcher(port: int, **options: Any) -> RemoteLauncher:
-    options.setdefault("heartbeat", 0.2)
-    options.setdefault("timeout", 2.0)
-    return RemoteLauncher(f"tcp://127.0.0.1:{port}", data_port=0, **options)
+from tests.worker.test_processes import assert_same, run_demo
 
 
 @ONE_LOOP
@@ -228,7 +170,8 @@ async def test_a_worker_that_cannot_build_its_model_fails_the_start_with_its_err
     workers: Workers,
 ) -> None:
     port = free_port()
-    proc = workers.start(port, 1, env={"MSTAR_TEST_NO_CHECKPOINT": "1"})
+    builder = "tests.worker.models:build_demo_needing_a_checkpoint"
+    proc = workers.start(port, 1, env={"MSTAR_TEST_NO_CHECKPOINT": "1"}, args=["--source", builder])
     with pytest.raises(WorkerLost) as failed:
         async with open_runtime(
             build_demo_needing_a_checkpoint(),

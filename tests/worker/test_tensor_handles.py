@@ -3,6 +3,7 @@ worker's store is empty once its requests are over, finished or cancelled."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -11,6 +12,7 @@ import torch
 
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.transport import generate_curve_keys
 from mstar_async.worker.launchers import LocalLauncher
 from mstar_async.worker.pool import WorkerPool
 
@@ -117,11 +119,16 @@ async def test_stores_are_empty_after_finished_and_cancelled_requests() -> None:
 
 @ONE_LOOP
 @pytest.mark.anyio
+@pytest.mark.parametrize("keyed", [False, True], ids=["loopback", "curve-keys"])
 @pytest.mark.timeout(90)
-async def test_workers_that_reach_the_pool_over_tcp_pass_tensors_over_tcp() -> None:
+async def test_workers_that_reach_the_pool_over_tcp_pass_tensors_over_tcp(
+    tmp_path: Path, keyed: bool
+) -> None:
     async with open_runtime(build_handoff()) as local:
         expected = await collect(local, x=1.5)
-    launcher = LocalLauncher(endpoint_host="127.0.0.1")
+    # With keys the step and peer sockets listen on every interface, CURVE on each.
+    keys = generate_curve_keys(tmp_path / "keys") if keyed else None
+    launcher = LocalLauncher(endpoint_host="127.0.0.1", curve_keys=keys)
     async with open_runtime(build_handoff(), placement=SPLIT, launcher=launcher) as runtime:
         pool = runtime.pool
         assert pool is not None
