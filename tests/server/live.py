@@ -66,5 +66,6 @@ def http(method: str, url: str, body: Any = None, *, timeout: float = 60) -> Rep
             headers = {k.lower(): v for k, v in response.headers.items()}
             return Reply(response.status, headers, response.read())
     except urllib.error.HTTPError as error:
-        headers = {k.lower(): v for k, v in error.headers.items()}
-        return Reply(error.code, headers, error.read())
+        with error:  # it holds the connection: an unclosed one is a ResourceWarning later
+            headers = {k.lower(): v for k, v in error.headers.items()}
+            return Reply(error.code, headers, error.read())
