@@ -42,6 +42,7 @@ BENCHMARKS = {
     "image": Benchmark("mstar_async.bench.image", plots=("matplotlib",)),
     "speech": Benchmark("mstar_async.bench.speech", plots=("matplotlib",)),
     "overhead": Benchmark("mstar_async.bench.overhead"),
+    "soak": Benchmark("mstar_async.bench.soak"),
 }
 
 #: The extra that installs each optional package, by its import name.
@@ -180,6 +181,7 @@ def add_bench_parser(sub: Any) -> None:
         _add_image_parser,
         _add_speech_parser,
         _add_overhead_parser,
+        _add_soak_parser,
     ):
         add(kinds)
 
@@ -521,4 +523,48 @@ def _overhead(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, A
         engines=args.engines,
     )
     report = module.run_overhead_sync(config)
+    return report, module.format_report(report)
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1440:
+        raise argparse.ArgumentTypeError(f"expected minutes in (0, 1440], got {text!r}")
+    return value
+
+
+def _add_soak_parser(kinds: Any) -> None:
+    soak = _add(
+        kinds,
+        "soak",
+        _soak,
+        help="a server under a mixed load for minutes: RSS, fds, KV and latency over time",
+        description=(
+            "Serve models (causal-lm and orpheus by default) in this process under a seeded "
+            "mix of short, streamed, dropped, speech and malformed requests from concurrent "
+            "clients; sample RSS (workers included), file descriptors, KV blocks, /dev/shm "
+            "files and latency every --sample-s seconds; then check that the server settles "
+            "with nothing held. Exit status 0 even when a check fails: read 'ok' in --json."
+        ),
+    )
+    if soak is None:
+        return
+    soak.add_argument("--minutes", type=_minutes, default=5.0, help="how long the load runs (5)")
+    soak.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (10)")
+    soak.add_argument("--clients", type=_positive, default=8, help="concurrent clients (8)")
+    soak.add_argument(
+        "--models", default="causal-lm,orpheus", help="comma-separated zoo models to serve"
+    )
+    soak.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _soak(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    models = tuple(name.strip() for name in args.models.split(",") if name.strip())
+    config = module.SoakConfig(
+        minutes=args.minutes, sample_s=args.sample_s, clients=args.clients, models=models
+    )
+    report = module.run_soak_sync(config)
     return report, module.format_report(report)
