@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mstar_async.engines import WAIT, Step, StepResult
 from mstar_async.errors import EngineError, KVCacheFull
@@ -337,3 +339,38 @@ def test_limits_are_checked() -> None:
         Scheduler({}, max_batch_size=0)
     with pytest.raises(ValueError, match="forward_time_bound_s"):
         Scheduler({}, forward_time_bound_s=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=st.floats(0.0, 0.05),
+    per_token=st.floats(1e-5, 2e-3),
+    decoders=st.integers(1, 32),
+    prompt=st.integers(200, 3000),
+)
+def test_a_long_prompt_beside_decodes_keeps_each_forward_within_three_decode_rounds(
+    fixed: float, per_token: float, decoders: int, prompt: int
+) -> None:
+    clock = Clock()
+    engine = Fake(clock, per_token=per_token, fixed=fixed)
+    scheduler = Scheduler({"lm": engine}, max_batch_tokens=4096, clock=clock)
+    # The engine has seen prompts of two sizes and decode rounds before this one arrives.
+    for warm in (64, 512):
+        scheduler.submit(job(f"w{warm}", warm))
+        drain(scheduler)
+    for i in range(decoders):
+        scheduler.submit(job(f"d{i}"))
+    drain(scheduler)
+    decode_round = fixed + per_token * decoders
+    scheduler.submit(job("prompt", prompt))
+    rounds = 0
+    while scheduler.has_work:
+        for i in range(decoders):
+            scheduler.submit(job(f"d{i}"))
+        before = clock.now
+        scheduler.run_round()
+        took = clock.now - before
+        rounds += 1
+        # A running request waits at most three decode rounds for its next token.
+        assert took <= 3 * decode_round * 1.01 + 1e-9, (rounds, took, decode_round)
+        assert rounds < 3000, "the prompt made no progress"
