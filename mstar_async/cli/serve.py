@@ -176,8 +176,8 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
     from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
-    from mstar_async.server.run import DRAIN_SECONDS
     from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, hosts_to_answer
+    from mstar_async.server.run import DRAIN_SECONDS
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"

@@ -59,11 +59,7 @@ class RequestMetrics:
         if audio:
             self.audio_seconds += output.seconds
         text = not audio and isinstance(output, TextDelta)
-        if (
-            self.ttfb is None
-            or (audio and self.ttfa is None)
-            or (text and self.ttft is None)
-        ):
+        if self.ttfb is None or (audio and self.ttfa is None) or (text and self.ttft is None):
             elapsed = time.perf_counter() - self.started
             self.ttfb = elapsed if self.ttfb is None else self.ttfb
             if audio and self.ttfa is None:

@@ -87,8 +87,8 @@ class Server:
 
     def answers(self) -> None:
         """A short request gets a whole, correct reply."""
-        reply = request("POST", f"{self.url}/v1/completions",
-                     {"model": "causal-lm", "prompt": "we", "max_tokens": 3}, timeout=60)  # fmt: skip
+        body = {"model": "causal-lm", "prompt": "we", "max_tokens": 3}
+        reply = request("POST", f"{self.url}/v1/completions", body, timeout=60)
         assert reply.status == 200, reply.body
         assert reply.json()["usage"]["completion_tokens"] <= 3
 

@@ -34,10 +34,8 @@ def _stream(url: str, path: str, body: bytes, started: threading.Event) -> None:
         started.set()  # cut off by the shutdown: what this test expects
 
 
-def _load(url: str) -> list[threading.Thread]:
-    speech = b'{"model":"orpheus","input":"' + b"word " * 200 + b'","max_tokens":4000}'
-    text = b'{"model":"causal-lm","prompt":"once","max_tokens":4000,"stream":true}'
-    work = [("/v1/audio/speech", speech)] * 3 + [("/v1/completions", text)] * 3
+def _load(url: str, work: list[tuple[str, bytes]]) -> list[threading.Thread]:
+    """A thread streaming each (path, body) of ``work``, once every one has started."""
     threads, started = [], []
     for path, body in work:
         event = threading.Event()
@@ -48,6 +46,13 @@ def _load(url: str) -> list[threading.Thread]:
     for event in started:
         assert event.wait(60), "a request never started streaming"
     return threads
+
+
+SPEECH = b'{"model":"orpheus","input":"' + b"word " * 200 + b'","max_tokens":4000}'
+TEXT = b'{"model":"causal-lm","prompt":"once","max_tokens":4000,"stream":true}'
+DEMO = b'{"model":"demo","inputs":{"text":"long","max_codes":100000,"steps":2}}'
+IN_PROCESS = [("/v1/audio/speech", SPEECH)] * 3 + [("/v1/completions", TEXT)] * 3
+WORKERS = [("/generate", DEMO)] * 4
 
 
 @pytest.mark.timeout(180)
@@ -62,9 +67,7 @@ def test_sigterm_under_load_drains_then_exits_in_bounded_time(
         workers = children(process.pid)
         if placement is not None:
             assert workers, "the placement should have started worker processes"
-            threads = _load_demo(url)
-        else:
-            threads = _load(url)
+        threads = _load(url, IN_PROCESS if placement is None else WORKERS)
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         code = process.wait(DRAIN + STOP_MARGIN + 20)
@@ -78,19 +81,3 @@ def test_sigterm_under_load_drains_then_exits_in_bounded_time(
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers), "a worker process outlived the server"
-
-
-def _load_demo(url: str) -> list[threading.Thread]:
-    body = b'{"model":"demo","inputs":{"text":"long","max_codes":100000,"steps":2}}'
-    threads, started = [], []
-    for _ in range(4):
-        event = threading.Event()
-        thread = threading.Thread(
-            target=_stream, args=(url, "/generate", body, event), daemon=True
-        )
-        thread.start()
-        threads.append(thread)
-        started.append(event)
-    for event in started:
-        assert event.wait(60), "a request never started streaming"
-    return threads

@@ -20,6 +20,7 @@ from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk, ImageOutput
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
+from tests.server.process import alive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
@@ -41,19 +42,6 @@ def assert_same(a: list[Any], b: list[Any]) -> None:
         else:
             assert isinstance(x, ImageOutput)
             torch.testing.assert_close(x.image, y.image, atol=1e-6, rtol=0)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent reaps it later).
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
