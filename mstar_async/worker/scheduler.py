@@ -97,7 +97,8 @@ class _Line:
     Why a line and not the mean time per token: a forward has a fixed cost (launches, Python);
     charging it to the tokens would make small chunks look slow per token, shrink the next
     chunk, and spiral down to one-token prefills wherever that cost nears the bound. Until the
-    points differ in size the whole time counts per token (the cautious guess).
+    points differ in size the whole time counts per token (the cautious guess), and ``varied``
+    says so.
     """
 
     def __init__(self, weight: float) -> None:
@@ -113,12 +114,22 @@ class _Line:
         self._nt += w * (tokens * seconds - self._nt)
         self.points += 1
 
+    @property
+    def mean_tokens(self) -> float:
+        return self._n
+
+    @property
+    def varied(self) -> bool:
+        """Whether the recent points differ in size enough to fit a slope (a spread of about
+        a tenth of their mean size)."""
+        return self._nn - self._n * self._n > 0.01 * self._n * self._n + 1e-6
+
     def estimate(self) -> tuple[float, float] | None:
         if self.points == 0 or self._n <= 0:
             return None
-        var = self._nn - self._n * self._n
-        if var <= 1e-6 * (1.0 + self._n * self._n):
+        if not self.varied:
             return 0.0, self._t / self._n
+        var = self._nn - self._n * self._n
         per_token = (self._nt - self._n * self._t) / var
         return max(0.0, self._t - per_token * self._n), per_token
 
@@ -181,7 +192,17 @@ class ForwardTimer:
         room = self.time_limit(bound_s, decoding) - base - fixed
         if per_token <= 0 or room <= 0:
             return None
-        return int(room / per_token)
+        tokens = int(room / per_token)
+        if self._line.varied:
+            return tokens
+        # Chunks of one size so far: the cautious guess charges all their time per token, so
+        # it cannot tell a fixed cost from a cost per token. Chunks of that size that fit keep
+        # it; if even one- or two-token chunks do not fit, a fixed cost makes them too slow
+        # and smaller chunks could not help.
+        mean = self._line.mean_tokens
+        if mean * per_token <= room * 1.001:
+            return max(tokens, int(mean))
+        return None if mean <= 2 else tokens
 
 
 class Scheduler:

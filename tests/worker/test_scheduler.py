@@ -374,3 +374,20 @@ def test_a_long_prompt_beside_decodes_keeps_each_forward_within_three_decode_rou
         # A running request waits at most three decode rounds for its next token.
         assert took <= 3 * decode_round * 1.01 + 1e-9, (rounds, took, decode_round)
         assert rounds < 3000, "the prompt made no progress"
+
+
+def test_one_token_chunks_too_slow_by_a_fixed_cost_are_not_capped() -> None:
+    # A small model on a CPU: a decode round takes 1.8 ms, and putting any prompt chunk beside
+    # it adds ~5 ms whatever its size. One-token chunks would go on forever (and never teach
+    # the timer a slope); since smaller chunks cannot help, nothing caps them.
+    timer = ForwardTimer()
+    timer.observe(1, 0, 0.0018)
+    for _ in range(20):
+        timer.observe(1, 1, 0.0018 + 0.005)
+    assert timer.tokens_within(0.1, decoding=True) is None
+    # Chunks of one size that fit keep that size rather than shrink by rounding.
+    steady = ForwardTimer()
+    steady.observe(1, 0, 0.001)
+    for _ in range(20):
+        steady.observe(1, 8, 0.001 + 8 * 0.00025)  # 2 ms of chunk in 2 ms of room
+    assert steady.tokens_within(0.1, decoding=True) == 8
