@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -146,6 +147,7 @@ class WorkerPool:
         self._feeds: dict[tuple[int, str], asyncio.Future[None]] = {}
         self._credits: dict[int, dict[int, int]] = {}
         self._cancels: dict[int, list[int]] = {}
+        self._awaiting_ready: set[int] = set()
         self._send_wake = asyncio.Event()
         self.bytes_received = 0
         """Bytes of every message workers sent this process (headers and tensor frames): what
@@ -418,19 +420,40 @@ class WorkerPool:
             self._send_wake.set()
 
     async def _send_walk_traffic(self) -> None:
-        # One task sends walk starts, credit and cancels, so each rank gets at most one
-        # credit message per turn of the event loop however many walks read outputs.
+        # One task sends walk starts, feeds, credit and cancels, in order per rank, so each
+        # rank gets at most one credit message per turn of the event loop however many walks
+        # read outputs. A rank that is restarting gets what is for it once it is ready again.
+        held: dict[int, list[StartWalk | FeedWalk | WalkCredit]] = defaultdict(list)
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
             outgoing, self._outgoing = self._outgoing, []
             for rank, message in outgoing:
-                await self._send_walk_message(rank, message)
+                held[rank].append(message)
             credits, self._credits = self._credits, {}
             cancels, self._cancels = self._cancels, {}
             for rank in sorted(set(credits) | set(cancels)):
-                credit = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
-                await self._send_walk_message(rank, credit)
+                held[rank].append(WalkCredit(credits.get(rank, {}), cancels.get(rank, [])))
+            for rank in list(held):
+                state = self.ranks[rank]
+                if not state.ready.is_set():
+                    self._wake_when_ready(state)
+                    continue
+                for waiting in held.pop(rank):
+                    await self._send_walk_message(rank, waiting)
+
+    def _wake_when_ready(self, state: _Rank) -> None:
+        if state.rank in self._awaiting_ready:
+            return
+        self._awaiting_ready.add(state.rank)
+
+        async def wake() -> None:
+            await state.ready.wait()
+            self._awaiting_ready.discard(state.rank)
+            self._send_wake.set()
+
+        assert self._tg is not None
+        self._tg.start_soon(wake)
 
     async def _send_walk_message(
         self, rank: int, message: StartWalk | FeedWalk | WalkCredit
