@@ -88,6 +88,7 @@ class WalkService:
         # cancels, other ranks' finished units), applied in order once they start.
         self._starting: dict[int, list[Callable[[], None]]] = {}
         self._splits: dict[tuple[str, tuple[tuple[str, int], ...]], Segment] = {}
+        self._fetches: dict[int, set[anyio.CancelScope]] = {}  # walk id -> its values fetched
         self._wake = asyncio.Event()
         self._tasks: TaskGroup | None = None
 
@@ -203,7 +204,7 @@ class WalkService:
         port = PortRef.parse(message.port, role="walk stream")
         try:
             if isinstance(run, SegmentRun) and run.takes_value(port):
-                self._set_value(run, port, message.items)
+                self._set_value(message.id, run, port, message.items)
             elif message.end:
                 run.end_input(port)
             else:
@@ -213,21 +214,33 @@ class WalkService:
         finally:
             self.loop.kick()
 
-    def _set_value(self, run: SegmentRun, port: PortRef, items: list[Any]) -> None:
+    def _set_value(self, walk_id: int, run: SegmentRun, port: PortRef, items: list[Any]) -> None:
         if items and isinstance(items[0], TensorRef):
             assert self._tasks is not None, "WalkService.serve is not running"
-            self._tasks.start_soon(self._fetch_value, run, port, items[0])
+            scope = anyio.CancelScope()  # cancelled if the walk ends first
+            self._fetches.setdefault(walk_id, set()).add(scope)
+            self._tasks.start_soon(self._fetch_value, walk_id, run, port, items[0], scope)
         else:
             run.set_value(port, items)
 
-    async def _fetch_value(self, run: SegmentRun, port: PortRef, ref: TensorRef) -> None:
-        # The value stayed on the rank that made it; the walk ends first if it cannot come.
-        try:
-            value = await self.tensors.fetch(ref)
-        except Exception as exc:
-            run.group.cancel(exc)
-        else:
-            run.set_value(port, [value])
+    async def _fetch_value(
+        self,
+        walk_id: int,
+        run: SegmentRun,
+        port: PortRef,
+        ref: TensorRef,
+        scope: anyio.CancelScope,
+    ) -> None:
+        # The value stayed on the rank that made it; the walk ends with the error if it
+        # cannot come.
+        with scope:
+            try:
+                value = await self.tensors.fetch(ref)
+            except Exception as exc:
+                run.group.cancel(exc)
+            else:
+                run.set_value(port, [value])
+        self._fetches.get(walk_id, set()).discard(scope)
         self.loop.kick()
 
     def _acknowledge(self, walk_id: int, port: str) -> None:
@@ -244,6 +257,8 @@ class WalkService:
     ) -> None:
         """A walk is over: its end goes out with the next message."""
         self.runs.pop(walk_id, None)
+        for scope in self._fetches.pop(walk_id, ()):
+            scope.cancel()
         if error is None:
             self._ended.append([walk_id, {str(ref): value for ref, value in persisted.items()}])
         else:
