@@ -71,7 +71,8 @@ class SegmentRun(WalkRun):
         self._top: Scope | None = None
 
     def takes_value(self, port: PortRef) -> bool:
-        """Whether ``port`` is fed by a plain edge from another rank (see ``set_value``)."""
+        """Whether ``port`` is fed by a plain edge from another rank (see ``set_value``).
+        Never raises."""
         return port in self._values_in
 
     def set_value(self, port: PortRef, items: list[Any]) -> None:
@@ -99,7 +100,8 @@ class SegmentRun(WalkRun):
         self._remote_done[index].set()
 
     async def send_items(self, key: str, items: Any) -> None:
-        """Relay a firing's items on the streaming edge ``key``, under the output credit."""
+        """Relay a firing's items on the streaming edge ``key`` once the output credit allows
+        (a walk coroutine awaits it; closed while it waits, nothing is relayed)."""
         while self.unacked >= self.window:
             await self._credit
         self.unacked += 1

@@ -664,24 +664,24 @@ class RemoteWalk:
     def push(self, port: str, items: Any, on_fed: Callable[[], None]) -> None:
         """Send items of the input ``port`` (``"node.port"``: a streamed input, or a segment's
         streaming edge from another rank); ``on_fed`` is called once the worker has room for
-        more, or the walk has ended. One push per port at a time."""
+        more, or the walk has ended. One push per port at a time. Never raises."""
         self.pool._walk_push(self.rank, self.walk_id, port, items, on_fed)
 
     def end_stream(self, port: str) -> None:
-        """The input ``port`` (as in ``push``) has ended."""
+        """The input ``port`` (as in ``push``) has ended. Never raises."""
         self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, None, True))
 
     def send_value(self, port: str, items: list[Any]) -> None:
         """A segment's plain edge from another rank into ``port``: ``[value]``, or ``[]`` when
-        its producer made none."""
+        its producer made none. Never raises."""
         self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, items, True))
 
     def block_done(self, index: int) -> None:
-        """Tell the segment that another rank finished its unit ``index``."""
+        """Tell the segment that another rank finished its unit ``index``. Never raises."""
         self.pool._walk_block_done(self.rank, self.walk_id, index)
 
     def on_relay(self, relay: Relay) -> None:
         """Hand what the segment relays (``kind, key, value``, in order, before its end) to
-        ``relay``; forgotten when the walk ends."""
+        ``relay``; forgotten when the walk ends. Never raises."""
         if self.walk_id in self.pool._walks:
             self.pool._relays[self.walk_id] = relay

@@ -114,14 +114,15 @@ class SegmentedWalk:
     # --- WalkControl ---------------------------------------------------------------------------
 
     def ack(self, count: int) -> None:
-        """The program read ``count`` more outputs: credit back to the ranks that made them."""
+        """The program read ``count`` more outputs: credit back to the ranks that made them.
+        Never raises."""
         for _ in range(count):
             part = self._readers.popleft()
             if part.remote is not None and not part.ended:
                 part.remote.ack(1)
 
     def cancel(self) -> None:
-        """Stop every segment; the walk ends once all have."""
+        """Stop every segment; the walk ends once all have. Idempotent, never raises."""
         self._cancel_parts()
 
     async def feed(self, port: PortRef, items: Any) -> None:
@@ -132,7 +133,7 @@ class SegmentedWalk:
             await remote.feed(port, items)
 
     def end_input(self, port: PortRef) -> None:
-        """The streamed walk input ``port`` has ended."""
+        """The streamed walk input ``port`` has ended. Never raises."""
         remote = self.parts[self.split.node_ranks[port.node]].remote
         if remote is not None:
             remote.end_input(port)
