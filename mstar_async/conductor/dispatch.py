@@ -10,6 +10,7 @@ import anyio
 import torch
 
 from mstar_async.graph import PortRef, WalkPlan
+from mstar_async.graph.segments import WalkSplit, split_walk
 from mstar_async.placement import ReplicaRouter, ResolvedPlacement
 from mstar_async.transport import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 
@@ -46,9 +47,23 @@ class RankExecutor(Protocol):
         raises."""
         ...
 
+    def open_segments(
+        self,
+        request_id: str,
+        split: WalkSplit,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkInbox,
+    ) -> WalkControl:
+        """Run a walk whose nodes span ranks as one segment per rank; outputs and end go to
+        ``sink``. Never raises."""
+        ...
+
 
 class PlacedExecutor:
-    """A ``StepExecutor`` that routes each step by (walk, node) through a placement.
+    """A ``StepExecutor`` that routes each step by (walk, node) through a placement, and a
+    ``WalkHost`` for the walks workers run whole: on one rank, or as one segment per rank.
 
     A node placed on several ranks is a replica set: a request goes to the least loaded
     replica and stays there (its state lives on one rank).
@@ -65,6 +80,7 @@ class PlacedExecutor:
         self.router = ReplicaRouter()
         self._touched: dict[str, set[int]] = defaultdict(set)
         self._homes: dict[tuple[str, str], int] = {}  # (request, engine) -> rank holding state
+        self._splits: dict[tuple[str, tuple[tuple[str, int], ...]], WalkSplit | None] = {}
 
     def rank_for(self, call: StepCall) -> int:
         """The rank that runs ``call``.
@@ -77,10 +93,11 @@ class PlacedExecutor:
             return ranks[0]
         return self.router.route(call.request_id, call.engine, ranks).rank
 
-    def _walk_rank(self, request_id: str, plan: WalkPlan) -> int | None:
-        """The one rank every node of ``plan`` runs on for this request, if there is one and
-        the request's state for those engines is already there."""
-        walk, found = plan.walk.name, None
+    def _node_ranks(self, request_id: str, plan: WalkPlan) -> dict[str, int] | None:
+        """The rank each node of ``plan`` runs on for this request, or ``None`` when the
+        request's state for one of their engines sits on another rank (it must move first,
+        which the step-by-step path does)."""
+        walk, found = plan.walk.name, {}
         for node in plan.nodes.values():
             ranks = self.placement.ranks_for(walk, node.name)
             rank = (
@@ -89,16 +106,31 @@ class PlacedExecutor:
                 else self.router.route(request_id, node.engine, ranks).rank
             )
             home = self._homes.get((request_id, node.engine))
-            if (found is not None and rank != found) or (home is not None and home != rank):
+            if home is not None and home != rank:
                 return None
-            found = rank
+            found[node.name] = rank
         return found
 
+    def _layout(self, request_id: str, plan: WalkPlan) -> int | WalkSplit | None:
+        """Where the workers run ``plan`` for this request: the one rank of all its nodes,
+        its split into per-rank segments, or ``None`` (the conductor runs it step by step)."""
+        node_ranks = self._node_ranks(request_id, plan)
+        if node_ranks is None:
+            return None
+        ranks = set(node_ranks.values())
+        if len(ranks) == 1:
+            return ranks.pop()
+        key = (plan.walk.name, tuple(node_ranks.items()))
+        if key not in self._splits:
+            self._splits[key] = split_walk(plan, node_ranks)
+        return self._splits[key]
+
     def hosts(self, request_id: str, plan: WalkPlan) -> bool:
-        """Whether the whole walk runs on one worker (then the worker drives its loops);
-        a walk that spans ranks is driven here, step by step. Raises ``PlacementError`` for
-        an unplaced walk or node."""
-        return self._walk_rank(request_id, plan) is not None
+        """Whether workers run the whole walk, loops and all: one worker when its nodes sit on
+        one rank, one segment per rank when every loop of it does. Else (a loop spanning ranks,
+        or a request's state to move first) the conductor drives it step by step. Raises
+        ``PlacementError`` for an unplaced walk or node."""
+        return self._layout(request_id, plan) is not None
 
     def open_walk(
         self,
@@ -109,16 +141,22 @@ class PlacedExecutor:
         persisted: Mapping[PortRef, Any],
         sink: WalkInbox,
     ) -> WalkControl:
-        """Start ``plan`` on the worker that holds all its nodes (see ``hosts``). Never
-        raises: errors reach ``sink``."""
-        rank = self._walk_rank(request_id, plan)
-        assert rank is not None, "open_walk on a walk this executor does not host"
-        self._touched[request_id].add(rank)
+        """Start ``plan`` on the worker that holds all its nodes, or as segments on the ranks
+        that do (see ``hosts``). Never raises: errors reach ``sink``."""
+        layout = self._layout(request_id, plan)
+        assert layout is not None, "open_walk on a walk this executor does not host"
+        if isinstance(layout, int):
+            node_ranks = dict.fromkeys(plan.nodes, layout)
+        else:
+            node_ranks = dict(layout.node_ranks)
+        self._touched[request_id].update(node_ranks.values())
         for node in plan.nodes.values():
-            self._homes[(request_id, node.engine)] = rank
-        return self.ranks.open_walk_on(
-            rank, request_id, plan.walk.name, inputs, params, persisted, sink
-        )
+            self._homes[(request_id, node.engine)] = node_ranks[node.name]
+        if isinstance(layout, int):
+            return self.ranks.open_walk_on(
+                layout, request_id, plan.walk.name, inputs, params, persisted, sink
+            )
+        return self.ranks.open_segments(request_id, layout, inputs, params, persisted, sink)
 
     async def submit(self, call: StepCall) -> dict[str, Any]:
         """Run ``call`` on its rank. Cancel-safe (see the rank executor).

@@ -1,9 +1,11 @@
-"""Walks whose nodes span ranks: run here, on the conductor, each step sent to its rank.
+"""Walks with a loop spanning ranks: run here, on the conductor, each step sent to its rank.
 
 The interpreter is the one workers run (``mstar_async.walks``); only where its steps go
 differs. Each step is one message to the rank that placement names, answered by one reply, so
-such a walk pays a round trip per step; a walk whose nodes all sit on one rank runs on that
-worker instead (see ``PlacedExecutor.hosts``).
+such a walk pays a round trip per step. A walk whose nodes all sit on one rank runs on that
+worker instead, and one whose every loop sits on one rank runs as one segment per rank on the
+workers (see ``PlacedExecutor.hosts``); this path also takes walks whose request state must move
+between ranks first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A running walk as its request program sees it: an async iterator of ``WalkEvent``s.
 
 A ``WalkHost`` runs the whole walk, loops included, where its nodes are (a worker's batching
-loop in this process or in a worker process, or, for a walk whose nodes span ranks, the
-conductor itself, sending each step to its rank) and sends its outputs back. The conductor only
+loop in this process or in a worker process; for a walk whose nodes span ranks, each rank's
+worker its own part, its segment; for a walk with a loop spanning ranks, the conductor itself,
+sending each step to its rank) and sends its outputs back. The conductor only
 starts the walk, hands the outputs to the program, and returns credit as the program reads
 them, so a program that stops reading holds the walk back.
 """
@@ -258,8 +259,8 @@ class WalkStream:
 
 
 class WalkRouter:
-    """A ``WalkHost`` that gives each walk to the first of ``hosts`` that takes it (the worker
-    holding all its nodes, else the conductor itself)."""
+    """A ``WalkHost`` that gives each walk to the first of ``hosts`` that takes it (the
+    workers holding its nodes, else the conductor itself)."""
 
     def __init__(self, *hosts: WalkHost) -> None:
         self.hosts_in_order = hosts

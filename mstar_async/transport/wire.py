@@ -178,9 +178,11 @@ class StepReply(_Msg, frozen=True, tag="reply"):
 
 
 class StartWalk(_Msg, frozen=True, tag="walk"):
-    """Run walk ``walk`` of request ``request_id`` here, loops and all: every node of it is
-    on this worker. ``inputs`` and ``persisted`` are keyed ``"node.port"``; ``window`` is how
-    many outputs may be in flight before the walk waits for :class:`WalkCredit`."""
+    """Run walk ``walk`` of request ``request_id`` here, loops and all. ``inputs`` and
+    ``persisted`` are keyed ``"node.port"``; ``window`` is how many outputs may be in flight
+    before the walk waits for :class:`WalkCredit`. With ``ranks`` empty every node of the walk
+    is on this worker; otherwise the walk spans ranks (``ranks``: node -> rank) and this worker
+    runs its segment, the part on its own rank."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("inputs", "params", "persisted")
 
@@ -191,20 +193,27 @@ class StartWalk(_Msg, frozen=True, tag="walk"):
     params: dict[str, Any] = {}
     persisted: dict[str, Any] = {}
     window: int = 16
+    ranks: dict[str, int] = {}
 
 
 class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
-    """For walks running on one worker: walk id -> outputs the conductor has read since the
-    last credit, and the ids of walks to stop."""
+    """For walks running on one worker: walk id -> outputs the conductor has taken since the
+    last credit (read by the program, or taken in by another rank), the ids of walks to stop,
+    and ``[walk id, unit]`` for each unit of a segmented walk that another rank finished."""
 
     credits: dict[int, int] = {}
     cancel: list[int] = []
+    blocks: list[tuple[int, int]] = []
 
 
 class FeedWalk(_Msg, frozen=True, tag="feed"):
     """Items of walk ``id``'s streamed input ``port`` (``"node.port"``), or its end
     (``end``, with no items). The worker acknowledges a feed once the input has room again
-    (``WalkUpdates.fed``): one feed per input is in flight at a time."""
+    (``WalkUpdates.fed``): one feed per input is in flight at a time.
+
+    A segment's edge from another rank is such an input too (``port``: the edge's consumer). For
+    a plain edge one feed carries the final value: ``end`` with ``items`` ``[value]``, or ``[]``
+    when the producer made none."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("items",)
 
@@ -218,14 +227,17 @@ class WalkUpdates(_Msg, frozen=True, tag="walked"):
     """What the walks on one worker made since its last such message (one per round):
     ``events`` as ``[walk id, port, value, iteration]``, ``ended`` as ``[walk id, persisted]``
     (values left for later walks, keyed ``"node.port"``), and walk id -> the error that ended
-    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again."""
+    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again; ``relayed``
+    lists ``[walk id, kind, key, value]``, in order, for what a segment sends other ranks (see
+    ``mstar_async.walks.segment``). A walk's relays come before its end."""
 
-    __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended")
+    __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended", "relayed")
 
     events: list[Any] = []
     ended: list[Any] = []
     errors: dict[int, ErrorInfo] = {}
     fed: list[tuple[int, str]] = []
+    relayed: list[Any] = []
 
 
 class Release(_Msg, frozen=True, tag="release", gc=False):

@@ -61,7 +61,7 @@ class WalkSink(Protocol):
         ...
 
 
-class _Cell:
+class Cell:
     """The value of a plain edge: the producer's latest output, final once the producer ends."""
 
     __slots__ = ("done", "has_value", "value")
@@ -75,6 +75,10 @@ class _Cell:
         self.value = value
         self.has_value = True
 
+    def close(self) -> None:
+        """The producer has ended: the value is final."""
+        self.done.set()
+
     async def get(self, edge: EdgePlan) -> Any:
         await self.done.wait()
         if not self.has_value:
@@ -85,7 +89,7 @@ class _Cell:
         return self.value
 
 
-class _Scope:
+class Scope:
     """The walk's top level, or one iteration of a loop."""
 
     __slots__ = ("cells", "fixed", "iteration", "last", "loop", "parent", "streams")
@@ -94,7 +98,7 @@ class _Scope:
         self,
         run: WalkRun,
         loop: Loop | DynamicLoop | None,
-        parent: _Scope | None,
+        parent: Scope | None,
         fixed: dict[PortRef, Any],
         iteration: int,
     ) -> None:
@@ -103,7 +107,7 @@ class _Scope:
         self.fixed = fixed
         self.iteration = iteration
         self.last: dict[PortRef, Any] = {}
-        self.cells: dict[EdgePlan, _Cell] = {}
+        self.cells: dict[EdgePlan, Cell] = {}
         self.streams: dict[EdgePlan, StreamEdge] = {}
         for edge in run.plan.scope_edges.get(loop, ()):
             if edge.streaming:
@@ -112,10 +116,10 @@ class _Scope:
                     run.trampoline, edge.edge.policy.fresh(), edge.edge.max_buffer
                 )
             else:
-                self.cells[edge] = _Cell(run.trampoline)
+                self.cells[edge] = Cell(run.trampoline)
 
-    def owner(self, loop: Loop | DynamicLoop | None) -> _Scope:
-        scope: _Scope | None = self
+    def owner(self, loop: Loop | DynamicLoop | None) -> Scope:
+        scope: Scope | None = self
         while scope is not None and scope.loop is not loop:
             scope = scope.parent
         assert scope is not None, "plan names a scope outside this one"
@@ -207,7 +211,7 @@ class WalkRun:
 
     def start(self) -> None:
         """Schedule the walk's first coroutine (it runs on the trampoline's next pass)."""
-        self.group.spawn(self._main())
+        self.group.spawn(self._main(self._top_scope()))
 
     def cancel(self) -> None:
         """Stop the walk now; its sink hears ``end`` with no error. Idempotent."""
@@ -265,14 +269,18 @@ class WalkRun:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.group.spawn(coro)
 
-    async def _main(self) -> None:
-        top = _Scope(self, None, None, {}, 0)
+    def _top_scope(self) -> Scope:
+        # Made when the walk starts, not on its first pass: values from outside (a segment's
+        # incoming edges) may arrive before the trampoline runs it.
+        return Scope(self, None, None, {}, 0)
+
+    async def _main(self, top: Scope) -> None:
         try:
             await self._run_block(self.plan.walk.body, top)
         finally:
             self._close_scope(top)
 
-    async def _run_block(self, block: Block, scope: _Scope) -> None:
+    async def _run_block(self, block: Block, scope: Scope) -> None:
         if isinstance(block, NodeRef):
             await self._run_node(self.plan.nodes[block.name], scope)
         elif isinstance(block, Sequential):
@@ -283,14 +291,14 @@ class WalkRun:
             await self._run_loop(block, scope)
         self._finalize(block, scope)
 
-    async def _run_parallel(self, block: Parallel, scope: _Scope) -> None:
+    async def _run_parallel(self, block: Parallel, scope: Scope) -> None:
         done = [Flag(self.trampoline) for _ in block.branches]
         for branch, flag in zip(block.branches, done, strict=True):
             self._spawn(self._run_child(branch, scope, None, flag))
         for flag in done:
             await flag.wait()
 
-    async def _run_sequential(self, block: Sequential, scope: _Scope) -> None:
+    async def _run_sequential(self, block: Sequential, scope: Scope) -> None:
         pipelined = self.plan.pipelined[block]
         if not any(pipelined):
             for child in block.children:
@@ -307,22 +315,22 @@ class WalkRun:
             await done.wait()
 
     async def _run_child(
-        self, block: Block, scope: _Scope, started: Flag | None, done: Flag
+        self, block: Block, scope: Scope, started: Flag | None, done: Flag
     ) -> None:
         if started is not None:
             started.set()
         await self._run_block(block, scope)
         done.set()
 
-    def _finalize(self, block: Block, scope: _Scope) -> None:
+    def _finalize(self, block: Block, scope: Scope) -> None:
         for edge in self.plan.finalize_after.get(block, ()):
             target = scope.owner(edge.lca)
             if edge.streaming:
                 target.streams[edge].close()
             else:
-                target.cells[edge].done.set()
+                target.cells[edge].close()
 
-    async def _run_node(self, node: Node, scope: _Scope) -> None:
+    async def _run_node(self, node: Node, scope: Scope) -> None:
         streamed = self._stream_inputs.get(node.name, _UNKNOWN)
         if streamed is _UNKNOWN:
             streamed = self._stream_inputs[node.name] = self.plan.stream_input(node.name)
@@ -347,7 +355,7 @@ class WalkRun:
         self,
         facts: _NodeFacts,
         inputs: dict[str, Any],
-        scope: _Scope,
+        scope: Scope,
         port: str,
         stream: StreamEdge,
     ) -> None:
@@ -357,7 +365,7 @@ class WalkRun:
         finally:
             stream.abandon()
 
-    async def _resolve(self, ref: PortRef, scope: _Scope) -> Any:
+    async def _resolve(self, ref: PortRef, scope: Scope) -> Any:
         edge = self.plan.in_edge.get(ref)
         if edge is not None:
             return await scope.owner(edge.lca).cells[edge].get(edge)
@@ -376,7 +384,7 @@ class WalkRun:
             f"(or '{ref}'=...) when you run it"
         )
 
-    async def _fire(self, facts: _NodeFacts, inputs: dict[str, Any], scope: _Scope) -> None:
+    async def _fire(self, facts: _NodeFacts, inputs: dict[str, Any], scope: Scope) -> None:
         node = facts.node
         outputs = await StepRequest(
             self.request_id, node.engine, node.op, inputs, node.name, self._walk_name
@@ -388,7 +396,7 @@ class WalkRun:
                     f"{sorted(outputs)} but the node declares output {port!r}"
                 )
             value = outputs[port]
-            search: _Scope | None = scope
+            search: Scope | None = scope
             while search is not None:
                 search.last[ref] = value
                 search = search.parent
@@ -404,7 +412,7 @@ class WalkRun:
             if persisted:
                 self.left[ref] = value
 
-    async def _publish(self, value: Any, scope: _Scope, edges: tuple[EdgePlan, ...]) -> None:
+    async def _publish(self, value: Any, scope: Scope, edges: tuple[EdgePlan, ...]) -> None:
         # Where this walk must look at the value itself (a policy), a handle to a tensor
         # another process holds is fetched; plain edges pass the handle on.
         seen = value
@@ -417,7 +425,7 @@ class WalkRun:
             else:
                 target.cells[edge].set(value)
 
-    async def _run_loop(self, loop: Loop | DynamicLoop, scope: _Scope) -> None:
+    async def _run_loop(self, loop: Loop | DynamicLoop, scope: Scope) -> None:
         fixed: dict[PortRef, Any] = {}
         streams: dict[PortRef, StreamEdge] = {}
         for edge in self.plan.loop_imports.get(loop, ()):
@@ -434,7 +442,7 @@ class WalkRun:
     async def _iterate(
         self,
         loop: Loop | DynamicLoop,
-        scope: _Scope,
+        scope: Scope,
         fixed: dict[PortRef, Any],
         streams: dict[PortRef, StreamEdge],
     ) -> None:
@@ -449,7 +457,7 @@ class WalkRun:
                 if chunk is None:
                     return
                 current[port] = chunk
-            inner = _Scope(self, loop, scope, current, iteration)
+            inner = Scope(self, loop, scope, current, iteration)
             try:
                 if isinstance(body, NodeRef):
                     await self._run_node(self.plan.nodes[body.name], inner)
@@ -481,7 +489,7 @@ class WalkRun:
             handles = handles or isinstance(value, TensorRef)
         return named, handles
 
-    def _close_scope(self, scope: _Scope) -> None:
+    def _close_scope(self, scope: Scope) -> None:
         for stream in scope.streams.values():
             self.peak_buffered = max(self.peak_buffered, stream.peak)
             stream.abandon()
@@ -502,10 +510,10 @@ class WalkRun:
         return value
 
 
-def _in_scope(ref: PortRef, scope: _Scope) -> Any:
+def _in_scope(ref: PortRef, scope: Scope) -> Any:
     """``ref``'s value fixed in ``scope`` or a scope around it (a loop's imports and carries, in
     the innermost loop first), or ``_UNKNOWN``."""
-    search: _Scope | None = scope
+    search: Scope | None = scope
     while search is not None:
         fixed = search.fixed
         if ref in fixed:

@@ -117,7 +117,7 @@ async def serve(config: WorkerConfig) -> None:
         walks = WalkService(model, batching, link, tensors)
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)
-            tg.start_soon(walks.send_updates)
+            await tg.start(walks.serve)
             if config.parent_pid > 0:
                 tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
             tg.start_soon(tensors.serve, peer_server)
@@ -143,8 +143,8 @@ async def _serve_messages(
         elif isinstance(message, StepRequest):
             tg.start_soon(_run_step, link, batching, tensors, message)
         elif isinstance(message, Release):
+            walks.cancel_request(message.request_id)  # first: an ending walk may keep tensors
             tensors.store.release(message.request_id)
-            walks.cancel_request(message.request_id)
             tg.start_soon(batching.release, message.request_id)
         elif isinstance(message, FetchTensor):
             await link.send(tensors.answer(message))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -25,6 +26,7 @@ from anyio.abc import TaskGroup
 
 from mstar_async.errors import WorkerLost
 from mstar_async.graph import ModelSource, PortRef
+from mstar_async.graph.segments import WalkSplit
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     FeedWalk,
@@ -52,12 +54,16 @@ from mstar_async.transport import (
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
+from mstar_async.worker.segmented import SegmentedWalk
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
 
 #: Outputs read before their credit is sent back (see ``_walk_credit``): half the window.
 CREDIT_BATCH = max(1, OUTPUT_WINDOW // 2)
+
+#: Takes what a walk's segment relays to other ranks: ``(kind, key, value)``.
+Relay = Callable[[str, Any, Any], None]
 
 
 class _Waiter:
@@ -146,14 +152,20 @@ class WorkerPool:
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
+        self._relays: dict[int, Relay] = {}  # walk id -> who takes what its segment relays
         self._outgoing: list[tuple[int, StartWalk | FeedWalk]] = []
-        self._feeds: dict[tuple[int, str], asyncio.Future[None]] = {}
+        self._feeds: dict[tuple[int, str], Callable[[], None]] = {}  # called once fed
         self._credits: dict[int, dict[int, int]] = {}
         self._cancels: dict[int, list[int]] = {}
+        self._blocks: dict[int, list[tuple[int, int]]] = {}
+        self._awaiting_ready: set[int] = set()
         self._send_wake = asyncio.Event()
         self.bytes_received = 0
         """Bytes of every message workers sent this process (headers and tensor frames): what
         crossed into the conductor. Tensors kept on workers (handles) do not count here."""
+        self.steps_sent = 0
+        """``StepRequest`` messages sent to workers: one per step of a walk the conductor runs
+        step by step; walks that run on workers send none."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -339,6 +351,11 @@ class WorkerPool:
             entry = walks.get(walk_id)
             if entry is not None:
                 entry[1].emit(port, value, iteration)
+        relays = self._relays
+        for walk_id, kind, key, value in message.relayed:  # before the ends they precede
+            relay = relays.get(walk_id)
+            if relay is not None:
+                relay(kind, key, value)
         for walk_id, persisted in message.ended:
             entry = walks.pop(walk_id, None)
             self._walk_gone(walk_id)
@@ -351,9 +368,9 @@ class WorkerPool:
             if entry is not None:
                 entry[1].end({}, error.to_exception())
         for walk_id, port in message.fed:
-            waiter = self._feeds.pop((walk_id, port), None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            on_fed = self._feeds.pop((walk_id, port), None)
+            if on_fed is not None:
+                on_fed()
 
     # ------------------------------------------------------------------ hosted walks
 
@@ -368,10 +385,12 @@ class WorkerPool:
         sink: WalkSink,
         *,
         window: int = OUTPUT_WINDOW,
+        ranks: Mapping[str, int] | None = None,
     ) -> RemoteWalk:
         """Start walk ``walk`` of ``request_id`` on ``rank``'s worker (every node of it is
-        there); its outputs and end reach ``sink``. Never raises: a lost worker ends the walk
-        with ``WorkerLost``."""
+        there, or with ``ranks``, node -> rank, the part of it on ``rank``: see
+        ``open_segments``); its outputs and end reach ``sink``. Never raises: a lost worker
+        ends the walk with ``WorkerLost``."""
         state = self.ranks[rank]
         walk_id = next(self._ids)
         if state.worker is None or state.worker.returncode is not None:
@@ -387,34 +406,55 @@ class WorkerPool:
             dict(params),
             {str(k): v for k, v in persisted.items()},
             window,
+            dict(ranks or {}),
         )
         self._outgoing.append((rank, message))
         self._send_wake.set()
         return RemoteWalk(self, rank, walk_id)
 
-    async def _walk_feed(self, rank: int, walk_id: int, port: str, items: Any) -> None:
+    def open_segments(
+        self,
+        request_id: str,
+        split: WalkSplit,
+        inputs: Mapping[PortRef, Any],
+        params: Mapping[str, Any],
+        persisted: Mapping[PortRef, Any],
+        sink: WalkSink,
+    ) -> SegmentedWalk:
+        """Start a walk whose nodes span ranks as one segment per rank (see
+        ``mstar_async.worker.segmented``); its outputs and end reach ``sink``. Never raises: a
+        lost worker ends the walk with ``WorkerLost``."""
+        walk = SegmentedWalk(self, split, sink)
+        walk.start(request_id, inputs, params, persisted)
+        return walk
+
+    def _walk_push(
+        self, rank: int, walk_id: int, port: str, items: Any, on_fed: Callable[[], None]
+    ) -> None:
         if walk_id not in self._walks:
-            return  # ended: nobody reads the input any more
-        waiter = asyncio.get_running_loop().create_future()
-        self._feeds[(walk_id, port)] = waiter
-        self._outgoing.append((rank, FeedWalk(walk_id, port, items)))
-        self._send_wake.set()
+            on_fed()  # ended: nobody reads the input any more
+            return
+        self._feeds[(walk_id, port)] = on_fed
+        self._walk_send(rank, FeedWalk(walk_id, port, items))
+
+    async def _walk_feed(self, rank: int, walk_id: int, port: str, items: Any) -> None:
+        fed = asyncio.get_running_loop().create_future()
+        self._walk_push(rank, walk_id, port, items, lambda: _settle(fed))
         try:
-            await waiter
+            await fed
         finally:
             self._feeds.pop((walk_id, port), None)
 
-    def _walk_end_input(self, rank: int, walk_id: int, port: str) -> None:
-        if walk_id in self._walks:
-            self._outgoing.append((rank, FeedWalk(walk_id, port, None, True)))
+    def _walk_send(self, rank: int, message: FeedWalk) -> None:
+        if message.id in self._walks:
+            self._outgoing.append((rank, message))
             self._send_wake.set()
 
     def _walk_gone(self, walk_id: int) -> None:
         # Feeds waiting for room in a walk that has ended wait no more.
+        self._relays.pop(walk_id, None)
         for key in [k for k in self._feeds if k[0] == walk_id]:
-            waiter = self._feeds.pop(key)
-            if not waiter.done():
-                waiter.set_result(None)
+            self._feeds.pop(key)()
 
     def _walk_credit(self, rank: int, walk_id: int, count: int) -> None:
         # Credit goes back in halves of the window: a walk held at its window gets going
@@ -430,20 +470,49 @@ class WorkerPool:
             self._cancels.setdefault(rank, []).append(walk_id)
             self._send_wake.set()
 
+    def _walk_block_done(self, rank: int, walk_id: int, index: int) -> None:
+        if walk_id in self._walks:
+            self._blocks.setdefault(rank, []).append((walk_id, index))
+            self._send_wake.set()
+
     async def _send_walk_traffic(self) -> None:
-        # One task sends walk starts, credit and cancels, so each rank gets at most one
-        # credit message per turn of the event loop however many walks read outputs.
+        # One task sends walk starts, feeds, credit and cancels, in order per rank, so each
+        # rank gets at most one credit message per turn of the event loop however many walks
+        # read outputs. A rank that is restarting gets what is for it once it is ready again.
+        held: dict[int, list[StartWalk | FeedWalk | WalkCredit]] = defaultdict(list)
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
             outgoing, self._outgoing = self._outgoing, []
             for rank, message in outgoing:
-                await self._send_walk_message(rank, message)
+                held[rank].append(message)
             credits, self._credits = self._credits, {}
             cancels, self._cancels = self._cancels, {}
-            for rank in sorted(set(credits) | set(cancels)):
-                credit = WalkCredit(credits.get(rank, {}), cancels.get(rank, []))
-                await self._send_walk_message(rank, credit)
+            blocks, self._blocks = self._blocks, {}
+            for rank in sorted(set(credits) | set(cancels) | set(blocks)):
+                held[rank].append(
+                    WalkCredit(credits.get(rank, {}), cancels.get(rank, []), blocks.get(rank, []))
+                )
+            for rank in list(held):
+                state = self.ranks[rank]
+                if not state.ready.is_set():
+                    self._wake_when_ready(state)
+                    continue
+                for waiting in held.pop(rank):
+                    await self._send_walk_message(rank, waiting)
+
+    def _wake_when_ready(self, state: _Rank) -> None:
+        if state.rank in self._awaiting_ready:
+            return
+        self._awaiting_ready.add(state.rank)
+
+        async def wake() -> None:
+            await state.ready.wait()
+            self._awaiting_ready.discard(state.rank)
+            self._send_wake.set()
+
+        assert self._tg is not None
+        self._tg.start_soon(wake)
 
     async def _send_walk_message(
         self, rank: int, message: StartWalk | FeedWalk | WalkCredit
@@ -516,6 +585,7 @@ class WorkerPool:
                 connection is gone.
             MstarError: what the step raised on the worker (its class kept where known).
         """
+        self.steps_sent += 1
         outputs: dict[str, Any] = await self._ask(rank, lambda i: StepRequest.from_call(i, call))
         return outputs
 
@@ -571,8 +641,14 @@ class WorkerPool:
         return self.ranks[rank].restarts
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class RemoteWalk:
-    """The conductor's handle on a walk running in a worker process (see ``open_walk_on``)."""
+    """The conductor's handle on a walk (or a walk's segment) running in a worker process
+    (see ``open_walk_on``)."""
 
     __slots__ = ("pool", "rank", "walk_id")
 
@@ -596,4 +672,29 @@ class RemoteWalk:
 
     def end_input(self, port: PortRef) -> None:
         """The streamed input ``port`` has ended."""
-        self.pool._walk_end_input(self.rank, self.walk_id, str(port))
+        self.end_stream(str(port))
+
+    def push(self, port: str, items: Any, on_fed: Callable[[], None]) -> None:
+        """Send items of the input ``port`` (``"node.port"``: a streamed input, or a segment's
+        streaming edge from another rank); ``on_fed`` is called once the worker has room for
+        more, or the walk has ended. One push per port at a time. Never raises."""
+        self.pool._walk_push(self.rank, self.walk_id, port, items, on_fed)
+
+    def end_stream(self, port: str) -> None:
+        """The input ``port`` (as in ``push``) has ended. Never raises."""
+        self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, None, True))
+
+    def send_value(self, port: str, items: list[Any]) -> None:
+        """A segment's plain edge from another rank into ``port``: ``[value]``, or ``[]`` when
+        its producer made none. Never raises."""
+        self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, items, True))
+
+    def block_done(self, index: int) -> None:
+        """Tell the segment that another rank finished its unit ``index``. Never raises."""
+        self.pool._walk_block_done(self.rank, self.walk_id, index)
+
+    def on_relay(self, relay: Relay) -> None:
+        """Hand what the segment relays (``kind, key, value``, in order, before its end) to
+        ``relay``; forgotten when the walk ends. Never raises."""
+        if self.walk_id in self.pool._walks:
+            self.pool._relays[self.walk_id] = relay

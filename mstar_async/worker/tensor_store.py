@@ -85,6 +85,13 @@ class TensorStore:
                 out[port] = self._put(request_id, value)
         return out
 
+    def hold(self, request_id: str, value: Any) -> Any:
+        """``value``, or a handle to it kept here when it is a large tensor (a value a walk
+        segment sends another rank, which fetches it from here). Never raises."""
+        if isinstance(value, torch.Tensor) and value.nbytes >= self.keep_bytes:
+            return self._put(request_id, value)
+        return value
+
     def _put(self, request_id: str, tensor: torch.Tensor) -> TensorRef:
         key = f"{self.generation}.{next(self._ids)}"
         self._tensors[key] = tensor

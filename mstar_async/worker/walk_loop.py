@@ -28,9 +28,11 @@ from anyio.abc import TaskStatus
 from mstar_async.engines import Engine, Step
 from mstar_async.errors import EngineError, MstarError, RequestCancelled
 from mstar_async.graph import PortRef, WalkPlan
+from mstar_async.graph.segments import Segment
 from mstar_async.transport import StepCall
 from mstar_async.walks.handle import RunningWalk
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
+from mstar_async.walks.segment import SegmentRun, SegmentSink
 from mstar_async.walks.trampoline import StepRequest, Task, Trampoline
 from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
 
@@ -87,7 +89,7 @@ class WalkLoop:
     """Runs walks and steps on one worker's engines in continuous batches.
 
     Start ``run()`` in a task group; then, from the same event loop, ``start_walk`` runs a walk
-    here and ``submit`` runs a single step (for walks that span ranks). ``max_batch_size``,
+    here and ``submit`` runs a single step (for walks whose loops span ranks). ``max_batch_size``,
     ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward of an engine (see
     ``Scheduler``: a long prefill is cut into chunks whose forward stays under the bound).
 
@@ -145,13 +147,31 @@ class WalkLoop:
         sink: WalkSink,
         *,
         window: int = OUTPUT_WINDOW,
+        segment: Segment | None = None,
     ) -> WalkRun:
         """Start running walk ``plan`` for ``request_id`` here; its outputs and end go to
-        ``sink``. Returns the run (``cancel()``, ``ack(n)``; call ``kick()`` after either).
-        Never raises: errors reach the sink."""
-        run = WalkRun(
-            plan, request_id, inputs, params, persisted, self.trampoline, sink, window=window
-        )
+        ``sink``. With ``segment``, only this rank's part of a walk that spans ranks runs here
+        (a ``SegmentRun``, and ``sink`` must be a ``SegmentSink``). Returns the run
+        (``cancel()``, ``ack(n)``; call ``kick()`` after either). Never raises: errors reach
+        the sink."""
+        run: WalkRun
+        if segment is None:
+            run = WalkRun(
+                plan, request_id, inputs, params, persisted, self.trampoline, sink, window=window
+            )
+        else:
+            assert isinstance(sink, SegmentSink)
+            run = SegmentRun(
+                plan,
+                request_id,
+                inputs,
+                params,
+                persisted,
+                self.trampoline,
+                sink,
+                segment,
+                window=window,
+            )
         run.start()
         self.kick()
         return run

@@ -4,14 +4,27 @@ make, one ``WalkUpdates`` message per round.
 Walk outputs collect in an outbox while the batching loop runs; a sender task wakes when the
 loop lets other tasks run (after a round's forward) and sends everything collected as one
 message. Credit and cancels arrive as ``WalkCredit``.
+
+A walk that spans ranks runs here as this rank's segment (``SegmentRun``): what it sends other
+ranks goes out with the outputs (``relayed``), and what they send it comes in as ``FeedWalk``
+(edges) and ``WalkCredit.blocks`` (their finished units). A large tensor on a plain edge stays
+in this worker's store and travels as a handle, which the receiving worker fetches from here;
+so does one a walk leaves for later walks of its request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any
 
-from mstar_async.graph import Model, PortRef
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from mstar_async.errors import PlacementError
+from mstar_async.graph import Model, PortRef, WalkPlan
+from mstar_async.graph.segments import Segment, split_walk
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     ErrorInfo,
@@ -23,6 +36,7 @@ from mstar_async.transport import (
     WalkUpdates,
 )
 from mstar_async.walks.run import WalkRun
+from mstar_async.walks.segment import VALUE, SegmentRun
 from mstar_async.worker.tensor_links import WorkerTensors
 from mstar_async.worker.walk_loop import WalkLoop
 
@@ -30,20 +44,30 @@ log = get_logger("mstar_async.worker.walks")
 
 
 class _Sink:
-    """One hosted walk's ``WalkSink``: its outputs go to the service's outbox."""
+    """One hosted walk's ``SegmentSink``: its outputs and relays go to the service's outbox."""
 
-    __slots__ = ("service", "walk_id")
+    __slots__ = ("request_id", "service", "walk_id")
 
-    def __init__(self, service: WalkService, walk_id: int) -> None:
+    def __init__(self, service: WalkService, walk_id: int, request_id: str) -> None:
         self.service = service
         self.walk_id = walk_id
+        self.request_id = request_id
 
     def emit(self, port: str, value: Any, iteration: int) -> None:
         self.service.events.append([self.walk_id, port, value, iteration])
         self.service.wake()
 
+    def relay(self, kind: str, key: str | int, value: Any) -> None:
+        if kind == VALUE and value:
+            value = [self.service.tensors.store.hold(self.request_id, value[0])]
+        self.service.relayed.append([self.walk_id, kind, key, value])
+        self.service.wake()
+
     def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
-        self.service.ended(self.walk_id, persisted, error)
+        # What later walks take stays here when large, as for a plain edge to another rank.
+        hold = self.service.tensors.store.hold
+        kept = {ref: hold(self.request_id, value) for ref, value in persisted.items()}
+        self.service.ended(self.walk_id, kept, error)
 
 
 class WalkService:
@@ -56,13 +80,17 @@ class WalkService:
         self.tensors = tensors
         self.runs: dict[int, WalkRun] = {}
         self.events: list[Any] = []
+        self.relayed: list[Any] = []
         self._ended: list[Any] = []
         self._errors: dict[int, ErrorInfo] = {}
         self._fed: list[tuple[int, str]] = []
         # Walks whose inputs are still being fetched: what arrived for them meanwhile (feeds,
-        # or None for a cancel), applied in order once they start.
-        self._starting: dict[int, list[FeedWalk | None]] = {}
+        # cancels, other ranks' finished units), applied in order once they start.
+        self._starting: dict[int, list[Callable[[], None]]] = {}
+        self._splits: dict[tuple[str, tuple[tuple[str, int], ...]], Segment] = {}
+        self._fetches: dict[int, set[anyio.CancelScope]] = {}  # walk id -> its values fetched
         self._wake = asyncio.Event()
+        self._tasks: TaskGroup | None = None
 
     def wake(self) -> None:
         """Something is waiting in the outbox."""
@@ -76,9 +104,10 @@ class WalkService:
     async def start(self, message: StartWalk) -> None:
         """Start the walk ``message`` names (after ``begin``); a bad walk ends at once with its
         error. Cancel-safe (nothing is started when cancelled while fetching inputs)."""
-        sink = _Sink(self, message.id)
+        sink = _Sink(self, message.id, message.request_id)
         try:
             plan = self.model.plan(message.walk)
+            segment = self._segment(plan, message.ranks) if message.ranks else None
             inputs = {
                 PortRef.parse(k, role="walk input"): await self._local(v)
                 for k, v in message.inputs.items()
@@ -102,13 +131,30 @@ class WalkService:
             persisted,
             sink,
             window=message.window,
+            segment=segment,
         )
         self.runs[message.id] = run
         for early in self._starting.pop(message.id):
-            if early is None:
-                run.cancel()
-            else:
-                self.feed(early)
+            early()
+
+    def _segment(self, plan: WalkPlan, ranks: dict[str, int]) -> Segment:
+        """This rank's segment of ``plan`` split by ``ranks`` (worked out once per layout).
+
+        Raises:
+            PlacementError: the conductor sent a layout that does not split the walk.
+        """
+        key = (plan.walk.name, tuple(sorted(ranks.items())))
+        segment = self._splits.get(key)
+        if segment is None:
+            split = split_walk(plan, ranks)
+            rank = self.tensors.store.rank
+            if split is None or rank not in split.segments:
+                raise PlacementError(
+                    f"walk {plan.walk.name!r} cannot run as a segment on rank {rank} with "
+                    f"nodes on ranks {ranks}"
+                )
+            segment = self._splits[key] = split.segments[rank]
+        return segment
 
     async def _local(self, value: Any) -> Any:
         # A handle to a tensor another worker (or this one) holds: the walk needs the tensor.
@@ -117,23 +163,39 @@ class WalkService:
         return value
 
     def credit(self, message: WalkCredit) -> None:
-        """Return credit to walks and stop those the conductor cancelled."""
+        """Return credit to walks, stop those the conductor cancelled, and tell segments which
+        units other ranks finished."""
         for walk_id, count in message.credits.items():
             run = self.runs.get(walk_id)
             if run is not None:
                 run.ack(count)
         for walk_id in message.cancel:
-            if walk_id in self._starting:
-                self._starting[walk_id].append(None)
-            run = self.runs.get(walk_id)
-            if run is not None:
-                run.cancel()
+            self._apply(walk_id, lambda run: run.cancel())
+        for walk_id, index in message.blocks:
+            self._apply(walk_id, functools.partial(_block_done, index=index))
         self.loop.kick()
 
+    def _apply(self, walk_id: int, change: Callable[[WalkRun], None]) -> None:
+        # To the walk's run, once it has started; nothing when it has ended. A bad change
+        # fails its walk, not the worker.
+        starting = self._starting.get(walk_id)
+        if starting is not None:
+            starting.append(lambda: self._apply(walk_id, change))
+            return
+        run = self.runs.get(walk_id)
+        if run is None:
+            return
+        try:
+            change(run)
+        except Exception as exc:
+            run.group.cancel(exc)
+
     def feed(self, message: FeedWalk) -> None:
-        """Items (or the end) of a walk's streamed input; acknowledged once it has room."""
-        if message.id in self._starting:
-            self._starting[message.id].append(message)
+        """Items (or the end) of a walk's streamed input, or of a segment's edge from another
+        rank; acknowledged once it has room."""
+        starting = self._starting.get(message.id)
+        if starting is not None:
+            starting.append(lambda: self.feed(message))
             return
         run = self.runs.get(message.id)
         if run is None:
@@ -141,14 +203,45 @@ class WalkService:
             return
         port = PortRef.parse(message.port, role="walk stream")
         try:
-            if message.end:
+            if isinstance(run, SegmentRun) and run.takes_value(port):
+                self._set_value(message.id, run, port, message.items)
+            elif message.end:
                 run.end_input(port)
-                return
-            run.feed(port, message.items, lambda: self._acknowledge(message.id, message.port))
+            else:
+                run.feed(port, message.items, lambda: self._acknowledge(message.id, message.port))
         except Exception as exc:  # a bad feed fails its walk, not the worker
             run.group.cancel(exc)
         finally:
             self.loop.kick()
+
+    def _set_value(self, walk_id: int, run: SegmentRun, port: PortRef, items: list[Any]) -> None:
+        if items and isinstance(items[0], TensorRef):
+            assert self._tasks is not None, "WalkService.serve is not running"
+            scope = anyio.CancelScope()  # cancelled if the walk ends first
+            self._fetches.setdefault(walk_id, set()).add(scope)
+            self._tasks.start_soon(self._fetch_value, walk_id, run, port, items[0], scope)
+        else:
+            run.set_value(port, items)
+
+    async def _fetch_value(
+        self,
+        walk_id: int,
+        run: SegmentRun,
+        port: PortRef,
+        ref: TensorRef,
+        scope: anyio.CancelScope,
+    ) -> None:
+        # The value stayed on the rank that made it; the walk ends with the error if it
+        # cannot come.
+        with scope:
+            try:
+                value = await self.tensors.fetch(ref)
+            except Exception as exc:
+                run.group.cancel(exc)
+            else:
+                run.set_value(port, [value])
+        self._fetches.get(walk_id, set()).discard(scope)
+        self.loop.kick()
 
     def _acknowledge(self, walk_id: int, port: str) -> None:
         self._fed.append((walk_id, port))
@@ -164,19 +257,37 @@ class WalkService:
     ) -> None:
         """A walk is over: its end goes out with the next message."""
         self.runs.pop(walk_id, None)
+        for scope in self._fetches.pop(walk_id, ()):
+            scope.cancel()
         if error is None:
             self._ended.append([walk_id, {str(ref): value for ref, value in persisted.items()}])
         else:
             self._errors[walk_id] = ErrorInfo.from_exception(error)
         self.wake()
 
-    async def send_updates(self) -> None:
-        """Send what the walks made, one message per wake-up, until cancelled."""
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Send what the walks made, one message per wake-up, and fetch the values segments
+        receive as handles, until cancelled. Cancel-safe."""
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            task_status.started()
+            try:
+                await self._send_updates()
+            finally:
+                self._tasks = None
+
+    async def _send_updates(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not (self.events or self._ended or self._errors or self._fed):
+            if not (self.events or self._ended or self._errors or self._fed or self.relayed):
                 continue
-            message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
+            message = WalkUpdates(self.events, self._ended, self._errors, self._fed, self.relayed)
             self.events, self._ended, self._errors, self._fed = [], [], {}, []
+            self.relayed = []
             await self.link.send(message)
+
+
+def _block_done(run: WalkRun, index: int) -> None:
+    assert isinstance(run, SegmentRun), "a unit finished elsewhere for a walk of one rank"
+    run.block_done(index)

@@ -164,3 +164,84 @@ def build_listener() -> Model:
     )
     model.source = ModelSource("tests.worker.models:build_listener")
     return model
+
+
+CHUNK = 2  # items per chunk on build_two_ranks' streaming edge
+
+
+def _head(x: torch.Tensor, g: torch.Tensor) -> dict[str, Any]:
+    return {"y": x * 10, "gain": g}
+
+
+def _consume(items: list[Chunk], gain: torch.Tensor, delay: torch.Tensor) -> dict[str, Any]:
+    if float(delay.max()) > 0:
+        time.sleep(float(delay.max()))  # a slow consumer
+    if bool((gain < 0).any()):
+        raise ValueError("negative gain")
+    return {"out": torch.stack([c.data.sum() * g for c, g in zip(items, gain, strict=True)])}
+
+
+async def _two_ranks_program(
+    request: Any, n: int = 10, g: float = 1.0, delay: float = 0.0, walk: str = "w"
+) -> AsyncGenerator[Any, None]:
+    if walk == "bounce":
+        inputs: dict[str, Any] = {"x": torch.tensor(0)}
+    else:
+        inputs = {"x": torch.tensor(0), "g": torch.tensor(g), "delay": torch.tensor(delay)}
+    async with request.stream(walk, params={"n": n}, **inputs) as events:
+        async for event in events:
+            yield event.port, float(event.value)
+
+
+def build_two_ranks() -> Model:
+    """Placed with ``TWO_RANKS``, walk ``w`` splits into segments: ``head`` and a counting
+    loop on rank 0 stream items to ``sink`` on rank 1 (chunks of ``CHUNK``, bound ``BOUND``),
+    ``head.gain`` crosses to ``sink`` and ``sink.out`` back to ``tail`` as plain edges, and
+    ``tail`` runs after ``sink`` has finished. Walk ``bounce`` loops over both ranks, so it
+    runs step by step. ``g < 0`` fails ``sink``; ``delay`` slows it (seconds per forward)."""
+    nodes = [
+        Node("head", engine="head", inputs=["x", "g"], outputs=["y", "gain"]),
+        Node("count", engine="counter", inputs=["x"], outputs=["y"]),
+        Node(
+            "sink", engine="sink", op="consume", inputs=["items", "gain", "delay"], outputs=["out"]
+        ),
+        Node("tail", engine="head", op="tail", inputs=["x"], outputs=["z"]),
+        Node("bump", engine="counter", op="count", inputs=["x"], outputs=["y"]),
+        Node("echo", engine="echo", inputs=["x"], outputs=["y"]),
+    ]
+    count = DynamicLoop(
+        "count",
+        until=lambda s: int(s.outputs["count.y"]) >= s.params["n"],
+        max_iterations=10**7,
+        carry={"count.y": "count.x"},
+    )
+    bounce = DynamicLoop(
+        Sequential("bump", "echo"),
+        until=lambda s: int(s.outputs["echo.y"]) >= s.params["n"],
+        max_iterations=10_000,
+        carry={"echo.y": "bump.x"},
+    )
+    model = Model(
+        "two-ranks",
+        nodes=nodes,
+        edges=[
+            Edge("head.y", "count.x"),
+            Edge("head.gain", "sink.gain"),
+            stream("count.y", "sink.items", FixedChunkPolicy(CHUNK), max_buffer=BOUND),
+            Edge("sink.out", "tail.x"),
+            Edge("bump.y", "echo.x"),
+        ],
+        walks=[
+            Walk("w", Sequential("head", count, "sink", "tail"), outputs=["sink.out", "tail.z"]),
+            Walk("bounce", bounce, outputs=["echo.y"]),
+        ],
+        program=_two_ranks_program,
+        components={
+            "head": lambda: StatelessEngine({"head": _head, "tail": lambda x: {"z": x + 1000}}),
+            "counter": lambda: StatelessEngine({"count": lambda x: {"y": x + 1}}),
+            "sink": lambda: StatelessEngine({"consume": _consume}),
+            "echo": lambda: StatelessEngine({"echo": lambda x: {"y": x * 1}}),
+        },
+    )
+    model.source = ModelSource("tests.worker.models:build_two_ranks")
+    return model

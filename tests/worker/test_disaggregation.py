@@ -46,15 +46,18 @@ async def test_prefill_decode_split_moves_the_kv_and_changes_no_token(
 
 @ONE_LOOP
 @pytest.mark.anyio
-async def test_a_slow_consumer_on_another_worker_holds_the_producer_at_the_bound() -> None:
+async def test_a_slow_consumer_on_another_worker_holds_a_stepwise_producer_at_the_bound() -> None:
     placement = Placement(nodes={"sink": 1})
     async with open_runtime(build_slow_pipeline(), placement=placement) as runtime:
+        # Run step by step on the conductor, as a walk whose loop spans ranks would (this one
+        # would run as segments on the workers: tests/worker/test_segments.py).
+        runtime.conductor.walks = runtime.conductor.walks.hosts_in_order[-1]  # type: ignore[attr-defined]
         with anyio.fail_after(120):
             async with runtime.generate(n=40) as outputs:
                 seen = [item async for item in outputs]
         assert outputs.context is not None
         (walk,) = outputs.context.walk_streams
     assert seen == list(range(1, 41))
-    # The walk spans two ranks, so the conductor runs it; its streaming edge's producer ran
-    # ahead until the buffer was full, and never further.
+    # The conductor runs the walk; its streaming edge's producer ran ahead until the buffer
+    # was full, and never further.
     assert walk._control.run.peak_buffered == BOUND  # type: ignore[union-attr]

@@ -109,6 +109,27 @@ async def test_kill_9_fails_that_workers_requests_and_the_runtime_recovers() -> 
 
 @ONE_LOOP
 @pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_walk_started_while_its_rank_restarts_runs_once_the_rank_is_back() -> None:
+    async with open_runtime(build_model("noop"), placement=Placement.single()) as runtime:
+        pool = runtime.pool
+        assert pool is not None
+        victim = pool.pid(0)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        with anyio.fail_after(60):
+            while pool.pid(0) in (None, victim):  # noqa: ASYNC110  (another process's state)
+                await anyio.sleep(0.01)
+        # The new worker is still starting (importing, building its engines): the walk's
+        # start waits for it instead of failing on a connection not yet made.
+        assert not pool.ranks[0].ready.is_set()
+        with anyio.fail_after(60):
+            async with runtime.generate(iterations=3) as outputs:
+                assert len([item async for item in outputs]) == 3
+
+
+@ONE_LOOP
+@pytest.mark.anyio
 async def test_closing_the_runtime_stops_every_worker() -> None:
     async with open_runtime(build_model("demo"), placement=Placement(nodes={"codec": 1})) as rt:
         assert rt.pool is not None

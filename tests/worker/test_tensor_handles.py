@@ -47,7 +47,10 @@ async def settled(pool: WorkerPool) -> list[dict[str, int]]:
 @ONE_LOOP
 @pytest.mark.anyio
 @pytest.mark.timeout(90)
-async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_holds_it() -> None:
+@pytest.mark.parametrize("stepwise", [False, True], ids=["segments", "stepwise"])
+async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_holds_it(
+    stepwise: bool,
+) -> None:
     async with open_runtime(build_handoff()) as local:
         expected = await collect(local, x=0.5)
         expected_raw = await collect(local, x=0.25, raw=True)
@@ -55,6 +58,8 @@ async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_hold
     async with open_runtime(build_handoff(), placement=SPLIT) as runtime:
         pool = runtime.pool
         assert pool is not None
+        if stepwise:  # as walks whose loops span ranks run: the conductor sends each step
+            runtime.conductor.walks = runtime.conductor.walks.hosts_in_order[-1]  # type: ignore[attr-defined]
         before = pool.bytes_received
         answer = await collect(runtime, x=0.5)
         through_conductor = pool.bytes_received - before
@@ -75,12 +80,15 @@ async def test_a_large_tensor_goes_worker_to_worker_and_the_conductor_never_hold
         assert torch.equal(raw, expected_raw[0])
         assert [s["tensors_held"] for s in await stats(pool)] == [0, 0]
 
-        # A loop carries h as a handle on rank 0; its predicate reads each iteration's h, so
-        # the conductor fetches those (three iterations), and rank 1 fetches the last one.
+        # A loop on rank 0 carries h there, and rank 1 fetches the last one. Its predicate
+        # reads each iteration's h: on rank 0 when the walk runs as one segment per rank, else
+        # on the conductor, which fetches them (three iterations).
         before = pool.bytes_received
         (looped,) = await collect(runtime, x=0.75, loop=True)
         assert torch.equal(looped, expected_loop[0])
-        assert 3 * H_BYTES <= pool.bytes_received - before < 4 * H_BYTES
+        crossed = pool.bytes_received - before
+        assert 3 * H_BYTES <= crossed < 4 * H_BYTES if stepwise else crossed < H_BYTES // 8
+        assert (pool.steps_sent > 0) == stepwise
         now = await stats(pool)
         assert now[1]["tensors_fetched"] == 2
         assert [s["tensors_held"] for s in now] == [0, 0]
