@@ -21,15 +21,27 @@ image.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mstar_async.engines import StatelessEngine
+from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, capacity_tokens
 from mstar_async.engines.kv_engine import KVCacheEngine
-from mstar_async.graph import Block, Edge, Loop, Model, Node, Parallel, Sequential, Walk
+from mstar_async.graph import (
+    Block,
+    ContextLimit,
+    Edge,
+    Loop,
+    Model,
+    Node,
+    Parallel,
+    Sequential,
+    TokenCounter,
+    Walk,
+)
 from mstar_async.models.bagel.config import BagelConfig, bagel_config, tokenize
 from mstar_async.models.bagel.dense import dense_op
 from mstar_async.models.bagel.flow import guide, timesteps
@@ -43,6 +55,7 @@ CFG_MODES = ("forked", "dense", "sequential")
 BRANCHES = ("cond", "text_uncond", "img_uncond")
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DEFAULT_PROMPT = "a red circle"
 
 
 def build_lm_engine(
@@ -99,10 +112,35 @@ def load_image(image: Any, cfg: BagelConfig) -> torch.Tensor:
     return data.view(size, size, 3).permute(2, 0, 1).float() / 255
 
 
+def _counter(cfg: BagelConfig) -> TokenCounter:
+    def count(inputs: Mapping[str, Any]) -> int:
+        # What the request's KV holds before the latents: the prompt, and for an edit the input
+        # image's patches and the prompt again (the img_uncond branch holds it alone).
+        prompt = len(tokenize(inputs.get("prompt", _DEFAULT_PROMPT)))
+        if inputs.get("image") is None:
+            return prompt
+        return 2 * prompt + cfg.vit_grid**2
+
+    return count
+
+
+def _context_tokens(cfg: BagelConfig, mode: str, dtype: torch.dtype, kv_cache_bytes: int) -> int:
+    # Every step attends the latents of three branches on scratch blocks beside the prompt (up
+    # to two partial blocks each), and the latents take positions after the prompt.
+    decoder = cfg.decoder()
+    limit = decoder.max_position_embeddings - cfg.image_tokens
+    if mode == "dense":
+        return limit
+    kv = capacity_tokens(
+        decoder.attention_spec(dtype), num_layers=cfg.layers, kv_cache_bytes=kv_cache_bytes
+    )
+    return min(limit, kv - len(BRANCHES) * (cfg.image_tokens + 2 * DEFAULT_BLOCK_SIZE))
+
+
 def _program(cfg: BagelConfig, mode: str) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
-        prompt: str = "a red circle",
+        prompt: str = _DEFAULT_PROMPT,
         image: Any = None,
         steps: int = 12,
         cfg_text_scale: float = 4.0,
@@ -274,10 +312,11 @@ def build_bagel(
     ``cfg`` picks how guidance branches run: ``forked`` (forks of the prompt's paged KV, batched
     in one forward), ``dense`` (each branch recomputes its whole context every step, batched)
     or ``sequential`` (forked KV, one branch after another). ``overrides`` set ``BagelConfig``
-    fields.
+    fields. A request's prompt (and input image) may not pass what the backbone's positions
+    and KV cache hold beside the latents (``model.context``).
 
     Raises:
-        ValueError: an unknown size, cfg mode or dtype.
+        ValueError: an unknown size, cfg mode or dtype; ``kv_cache_bytes`` fits no KV block.
         TypeError: an override names no ``BagelConfig`` field.
     """
     if cfg not in CFG_MODES:
@@ -310,4 +349,9 @@ def build_bagel(
         components=components,
         description=f"BAGEL-style {size} model, {cfg} CFG branches",
         info={"image_size": config.image_size},
+        context=ContextLimit(
+            _context_tokens(config, cfg, torch_dtype, kv_cache_bytes),
+            _counter(config),
+            generates=None,
+        ),
     )
