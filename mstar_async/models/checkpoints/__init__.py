@@ -11,7 +11,7 @@ Everything raised on purpose is a ``CheckpointError`` naming the file at fault.
 
 from __future__ import annotations
 
-from mstar_async.models.checkpoints.chat_template import ChatTemplateError
+from mstar_async.models.checkpoints.chat_template import ChatTemplateError, ConversationRejected
 from mstar_async.models.checkpoints.errors import CheckpointError
 from mstar_async.models.checkpoints.gguf_import import import_gguf, is_imported_folder
 from mstar_async.models.checkpoints.hf_folder import Checkpoint, load_checkpoint, read_config
@@ -24,6 +24,7 @@ __all__ = [
     "ChatTokenizer",
     "Checkpoint",
     "CheckpointError",
+    "ConversationRejected",
     "IncrementalDecoder",
     "default_cache_dir",
     "import_gguf",
