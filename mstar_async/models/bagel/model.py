@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mstar_async.engines import StatelessEngine
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, capacity_tokens
@@ -90,17 +91,22 @@ def _flow_engine() -> StatelessEngine:
 
 
 def load_image(image: Any, cfg: BagelConfig) -> torch.Tensor:
-    """An input image as ``[3, S, S]`` in [0, 1] at the ViT's size: a tensor as is, or a path
-    to an image file (resized; needs Pillow).
+    """An input image as ``[3, S, S]`` in [0, 1] at the ViT's size: a ``[3, H, W]`` tensor in
+    [0, 1] (resized when H or W differ from S), or a path to an image file (resized; needs
+    Pillow). A server decodes images that arrive over the network into tensors: it never hands
+    a path from a request to this function.
 
     Raises:
-        ValueError: a tensor of another shape, or a file Pillow cannot read.
+        ValueError: a tensor that is not ``[3, H, W]``, or a file Pillow cannot read.
     """
     size = cfg.vit_image_size
     if isinstance(image, torch.Tensor):
-        if tuple(image.shape) != (3, size, size):
-            raise ValueError(f"image must be [3, {size}, {size}] in [0, 1], got {image.shape}")
-        return image.float()
+        if image.dim() != 3 or image.shape[0] != 3 or min(image.shape) < 1:
+            raise ValueError(f"image must be [3, height, width] in [0, 1], got {image.shape}")
+        if tuple(image.shape) == (3, size, size):
+            return image.float()
+        resized = F.interpolate(image.float()[None], size=(size, size), mode="bilinear")
+        return resized[0].clamp(0, 1)
     from PIL import Image
 
     try:
@@ -313,7 +319,8 @@ def build_bagel(
     in one forward), ``dense`` (each branch recomputes its whole context every step, batched)
     or ``sequential`` (forked KV, one branch after another). ``overrides`` set ``BagelConfig``
     fields. A request's prompt (and input image) may not pass what the backbone's positions
-    and KV cache hold beside the latents (``model.context``).
+    and KV cache hold beside the latents (``model.context``); ``info["image_inputs"]`` names
+    the input that takes an image.
 
     Raises:
         ValueError: an unknown size, cfg mode or dtype; ``kv_cache_bytes`` fits no KV block.
@@ -348,7 +355,7 @@ def build_bagel(
         program=_program(config, cfg),
         components=components,
         description=f"BAGEL-style {size} model, {cfg} CFG branches",
-        info={"image_size": config.image_size},
+        info={"image_size": config.image_size, "image_inputs": ["image"]},
         context=ContextLimit(
             _context_tokens(config, cfg, torch_dtype, kv_cache_bytes),
             _counter(config),
