@@ -14,10 +14,16 @@ from __future__ import annotations
 from mstar_async.server.app import ROUTE_MODULES, create_app
 from mstar_async.server.errors import APIError
 from mstar_async.server.run import serve
-from mstar_async.server.served import DEFAULT_MAX_CONCURRENT, ModelSpec, ServedModel
+from mstar_async.server.served import (
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_TEXT_CHARS,
+    ModelSpec,
+    ServedModel,
+)
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
+    "DEFAULT_MAX_TEXT_CHARS",
     "ROUTE_MODULES",
     "APIError",
     "ModelSpec",

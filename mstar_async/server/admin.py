@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mstar_async.server.served import ServedModel
 from mstar_async.server.state import server_state
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -24,6 +25,8 @@ async def list_models(request: Request) -> Response:
             "inputs": served.inputs,
             "info": dict(served.runtime.model.info),
             "max_concurrent": served.admission.limit,
+            "context_length": _context_length(served),
+            "max_text_chars": served.max_text_chars if served.speaks else None,
         }
         for name, served in models.items()
     ]
@@ -52,3 +55,8 @@ def routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+
+
+def _context_length(served: ServedModel) -> int | None:
+    context = served.runtime.model.context
+    return None if context is None else context.tokens

@@ -16,20 +16,23 @@ from starlette.routing import Route
 
 from mstar_async.server.encode import encode_output
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import FieldNames
 from mstar_async.server.schemas import GenerateRequest, decode
 from mstar_async.server.sse import EventStreamResponse, ndjson_line, sse_event
 from mstar_async.server.state import server_state
 from mstar_async.server.tracked import TrackedRequest
 
 GENERATE_ROUTE = "/generate"
+#: Program inputs travel under ``inputs`` in the body.
+INPUTS = FieldNames(prefix="inputs.")
 
 
 async def generate(request: Request) -> Response:
     """Run one request of any served model and stream its outputs.
 
     Raises:
-        APIError, msgspec.ValidationError: a bad body, unknown model or overload; the app
-            answers them as OpenAI-shaped errors (400, 404, 429).
+        APIError, msgspec.ValidationError: a bad body (past a limit), unknown model or
+            overload; the app answers them as OpenAI-shaped errors (400, 404, 429).
     """
     body = decode(await request.body(), GenerateRequest)
     state = server_state(request)
@@ -42,7 +45,7 @@ async def generate(request: Request) -> Response:
             f"model {served.name!r} takes no input {unknown[0]!r}; its inputs: {served.inputs}",
             param=f"inputs.{unknown[0]}",
         )
-    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, body.inputs)
+    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, body.inputs, fields=INPUTS)
     if body.format == "ndjson":
         return EventStreamResponse(_events(tracked, ndjson_line), media_type="application/x-ndjson")
     return EventStreamResponse(_events(tracked, sse_event))

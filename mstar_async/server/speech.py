@@ -20,6 +20,7 @@ from starlette.routing import Route
 from mstar_async.audio import AudioEncoder
 from mstar_async.outputs import AudioChunk
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import FieldNames
 from mstar_async.server.schemas import SpeechRequest, decode
 from mstar_async.server.speech_models import (
     MEDIA_TYPES,
@@ -34,6 +35,8 @@ from mstar_async.server.state import server_state
 from mstar_async.server.tracked import TrackedRequest
 
 SPEECH_ROUTE = "/v1/audio/speech"
+#: The text to speak is ``input`` in the body.
+FIELDS = FieldNames({"text": "input"})
 #: ``response_format`` values served, in the order errors list them.
 SPEECH_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
 
@@ -55,7 +58,7 @@ async def speech(request: Request) -> Response:
     rate = sample_rate(served)
     inputs = speech_inputs(served, body.input, voice_name(body.voice))
     inputs.update(extension_inputs(served, _extensions(body)))
-    tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs)
+    tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs, fields=FIELDS)
     headers = {"x-sample-rate": str(rate)}
     if body.stream_format == "sse":
         return EventStreamResponse(_events(tracked, fmt), headers=headers)
