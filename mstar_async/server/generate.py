@@ -1,7 +1,8 @@
 """``POST /generate``: the native streaming route, for every model and every output type.
 
-The body names the model and passes its program's inputs as they are; the response streams
-each output as a typed JSON event (see ``encode``) as server-sent events, or NDJSON lines with
+The body names the model and passes its program's inputs, each checked against the program's
+annotation (tensors as nested lists: see ``program_inputs``); the response streams each output
+as a typed JSON event (see ``encode``) as server-sent events, or NDJSON lines with
 ``"format": "ndjson"``, and ends with ``{"type": "done"}``.
 """
 
@@ -31,8 +32,9 @@ async def generate(request: Request) -> Response:
     """Run one request of any served model and stream its outputs.
 
     Raises:
-        APIError, msgspec.ValidationError: a bad body (past a limit), unknown model or
-            overload; the app answers them as OpenAI-shaped errors (400, 404, 429).
+        APIError, msgspec.ValidationError: a bad body (an input of the wrong type, past a
+            limit), unknown model or overload; the app answers them as OpenAI-shaped errors
+            (400, 404, 429).
     """
     body = decode(await request.body(), GenerateRequest)
     state = server_state(request)
@@ -45,7 +47,8 @@ async def generate(request: Request) -> Response:
             f"model {served.name!r} takes no input {unknown[0]!r}; its inputs: {served.inputs}",
             param=f"inputs.{unknown[0]}",
         )
-    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, body.inputs, fields=INPUTS)
+    inputs = served.program_inputs.convert(body.inputs, prefix=INPUTS.prefix)
+    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, inputs, fields=INPUTS)
     if body.format == "ndjson":
         return EventStreamResponse(_events(tracked, ndjson_line), media_type="application/x-ndjson")
     return EventStreamResponse(_events(tracked, sse_event))

@@ -14,6 +14,7 @@ from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import APIError
+from mstar_async.server.program_inputs import ProgramInputs
 
 if TYPE_CHECKING:
     from mstar_async.worker.walk_loop import WalkLoop
@@ -64,6 +65,12 @@ class ServedModel:
         """The program's inputs, each with its default (``inspect.Parameter.empty``: none)."""
         params = list(inspect.signature(self.runtime.model.program).parameters.values())
         return {p.name: p.default for p in params[1:]}  # the first is the request context
+
+    @functools.cached_property
+    def program_inputs(self) -> ProgramInputs:
+        """Converts ``/generate``'s JSON inputs to what the program takes (checked types,
+        tensors, decoded images)."""
+        return ProgramInputs(self.runtime.model)
 
     @property
     def speaks(self) -> bool:

@@ -61,9 +61,9 @@ async def speech(request: Request) -> Response:
     tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs, fields=FIELDS)
     headers = {"x-sample-rate": str(rate)}
     if body.stream_format == "sse":
-        return EventStreamResponse(_events(tracked, fmt), headers=headers)
+        return EventStreamResponse(_events(tracked, fmt, rate), headers=headers)
     media = MEDIA_TYPES[body.response_format]
-    return EventStreamResponse(_audio(tracked, fmt), media_type=media, headers=headers)
+    return EventStreamResponse(_audio(tracked, fmt, rate), media_type=media, headers=headers)
 
 
 def routes() -> list[Route]:
@@ -93,7 +93,7 @@ def _extensions(body: SpeechRequest) -> dict[str, Any]:
     }
 
 
-async def _audio(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, None]:
+async def _audio(tracked: TrackedRequest, fmt: str, rate: int) -> AsyncGenerator[bytes, None]:
     # An error midway ends the body early (the connection is reset): a client reading audio
     # has no other channel for it.
     encoder = AudioEncoder(fmt)
@@ -101,13 +101,13 @@ async def _audio(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, Non
         async for item in tracked.outputs():
             if isinstance(item, AudioChunk) and (data := encoder.encode(item)):
                 yield data
-        if tail := encoder.finish():
+        if tail := encoder.finish(rate):
             yield tail
     finally:
         await tracked.close()
 
 
-async def _events(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, None]:
+async def _events(tracked: TrackedRequest, fmt: str, rate: int) -> AsyncGenerator[bytes, None]:
     encoder = AudioEncoder(fmt)
     samples = 0
     try:
@@ -116,7 +116,7 @@ async def _events(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, No
                 samples += item.pcm.numel()
                 if data := encoder.encode(item):
                     yield sse_event(_delta(data))
-        if tail := encoder.finish():
+        if tail := encoder.finish(rate):
             yield sse_event(_delta(tail))
         yield sse_event(_done(tracked, samples))
     except APIError as exc:

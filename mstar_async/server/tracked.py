@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from mstar_async.errors import MstarError, RequestCancelled, RequestError
+from mstar_async.errors import RequestCancelled, RequestError
 from mstar_async.outputs import TextEnd
 from mstar_async.server.admission import Ticket
 from mstar_async.server.errors import APIError
@@ -188,8 +188,6 @@ class TrackedRequest:
 
 
 def _status_of(exc: RequestError) -> int:
-    """400 when the program rejected its inputs (a ValueError or TypeError), else 500."""
-    cause = exc.__cause__
-    if isinstance(cause, ValueError | TypeError) and not isinstance(cause, MstarError):
-        return 400
-    return 500
+    """400 when the program rejected its inputs (a ValueError or TypeError: no runtime error
+    is one, so only input checks raise them), else 500."""
+    return 400 if isinstance(exc.__cause__, ValueError | TypeError) else 500
