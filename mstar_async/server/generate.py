@@ -1,9 +1,9 @@
 """``POST /generate``: the native streaming route, for every model and every output type.
 
 The body names the model and passes its program's inputs, each checked against the program's
-annotation (tensors as nested lists: see ``program_inputs``); the response streams each output
-as a typed JSON event (see ``encode``) as server-sent events, or NDJSON lines with
-``"format": "ndjson"``, and ends with ``{"type": "done"}``.
+annotation (tensors as nested lists, images as base64 or data URLs: see ``program_inputs``);
+the response streams each output as a typed JSON event (see ``encode``) as server-sent events,
+or NDJSON lines with ``"format": "ndjson"``, and ends with ``{"type": "done"}``.
 """
 
 from __future__ import annotations

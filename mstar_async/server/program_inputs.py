@@ -5,8 +5,9 @@ JSON carries strings, numbers, lists and objects; a program's parameters are ann
 ``video: torch.Tensor | None``). Each input is checked against its annotation before the
 request starts, so a wrong type is a 400 naming ``inputs.NAME`` and the type wanted rather
 than whatever the program trips over later. A tensor input is built from nested lists of
-numbers (as ``/generate`` sends latents and actions back). Inputs annotated ``Any``, or with a
-type JSON cannot describe, pass as they are.
+numbers (as ``/generate`` sends latents and actions back); an image input (named in the model's
+``info["image_inputs"]``) is decoded from base64 or a ``data:`` URL and never read from a path
+(see ``media``). Inputs annotated ``Any``, or with a type JSON cannot describe, pass as they are.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from mstar_async.graph import Model
 from mstar_async.server.errors import APIError
+from mstar_async.server.media import decode_image
 
-_AS_IS, _TENSOR, _TYPED = "as is", "tensor", "typed"
+_AS_IS, _TENSOR, _IMAGE, _TYPED = "as is", "tensor", "image", "typed"
 
 
 class ProgramInputs:
@@ -35,14 +37,18 @@ class ProgramInputs:
             hints = typing.get_type_hints(model.program)
         except Exception:  # an annotation that does not resolve: take every input as it is
             hints = {}
-        self._kinds = {name: (_kind(hint), hint) for name, hint in hints.items()}
+        images = set(model.info.get("image_inputs", ()))
+        self._kinds: dict[str, tuple[str, Any]] = {
+            name: (_IMAGE if name in images else _kind(hint), hint) for name, hint in hints.items()
+        }
 
     def convert(self, given: Mapping[str, Any], *, prefix: str = "inputs.") -> dict[str, Any]:
         """``given`` as program inputs. Synchronous; never suspends.
 
         Raises:
             APIError: 400 naming ``prefix + name`` (and the path inside it) when a value does
-                not fit its annotation, or a tensor input is not nested lists of numbers.
+                not fit its annotation, a tensor input is not nested lists of numbers, or an
+                image input is not image data.
         """
         return {name: self._one(name, value, prefix + name) for name, value in given.items()}
 
@@ -50,6 +56,8 @@ class ProgramInputs:
         kind, hint = self._kinds.get(name, (_AS_IS, Any))
         if kind == _AS_IS or (value is None and kind != _TYPED):
             return value
+        if kind == _IMAGE:
+            return decode_image(value, param=param)
         if kind == _TENSOR:
             return _tensor(value, param)
         try:
