@@ -3,10 +3,10 @@
     create_app([ModelSpec(build_model("causal-lm"))], max_concurrent=64)  ->  Starlette app
     await serve(app, host="127.0.0.1", port=8000)                         ->  uvicorn, this loop
 
-Routes (see docs/http.md): ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
-``POST /v1/chat/completions`` (text, or text and speech), ``POST /v1/completions``,
-``POST /v1/audio/speech``, ``POST /v1/images/generations``, the websocket
-``/v1/audio/speech/stream``, ``POST /generate``.
+Routes (see docs/http.md): ``GET /v1/models``, ``GET /health``, ``GET /health/ready``,
+``GET /metrics``, ``POST /v1/chat/completions`` (text, or text and speech),
+``POST /v1/completions``, ``POST /v1/audio/speech``, ``POST /v1/images/generations``, the
+websocket ``/v1/audio/speech/stream``, ``POST /generate``.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from mstar_async.server.errors import (
     handle_validation_error,
 )
 from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
 from mstar_async.server.served import (
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_TEXT_CHARS,
@@ -59,6 +60,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    stall_after_s: float = DEFAULT_STALL_SECONDS,
 ) -> Starlette:
     """An ASGI app serving ``models``; each is opened (``open_runtime``) when the app starts
     and closed when it stops, in the host's event loop.
@@ -68,10 +70,13 @@ def create_app(
     of each model that sets no bound of its own; past it, or past a model's context limit, the
     app answers 400 before admitting the request (``limits``). ``progress`` receives a line as
     each model loads. ``api_key``, ``allowed_hosts`` and ``max_body_bytes`` are checked on
-    every request before any route sees it (see ``Guard``: 401, 400, 413).
+    every request before any route sees it (see ``Guard``: 401, 400, 413). ``stall_after_s``:
+    a model whose steps wait that long with no forward finishing is not ready
+    (``/health/ready`` answers 503).
 
     Raises:
-        ValueError: no models, two under one name, or a bound below 1.
+        ValueError: no models, two under one name, a bound below 1, or ``stall_after_s`` not
+            positive.
     """
     if not models:
         raise ValueError("serve at least one model")
@@ -84,7 +89,9 @@ def create_app(
         for option, bound in (("max_concurrent", limits), ("max_text_chars", chars)):
             if bound[name] < 1:
                 raise ValueError(f"{option} of {name!r} must be >= 1, got {bound[name]}")
-    state = ServerState()
+    if not stall_after_s > 0:
+        raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
+    state = ServerState(stall_after_s=stall_after_s)
     say = progress or (lambda line: None)
 
     @asynccontextmanager
