@@ -31,6 +31,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
 def add_serve_parser(sub: Any) -> None:
     """Add ``serve`` to the ``mstar`` subcommands."""
     serve = sub.add_parser(
@@ -38,8 +48,8 @@ def add_serve_parser(sub: Any) -> None:
         help="serve models over HTTP",
         description="Serve models over HTTP: /v1/chat/completions, /v1/completions, "
         "/v1/audio/speech, /v1/images/generations, /v1/models (OpenAI-compatible), the "
-        "/v1/audio/speech/stream websocket, /generate (every model, streamed), /health, "
-        "/metrics.",
+        "/v1/audio/speech/stream websocket, /generate (every model, streamed), /health "
+        "(liveness), /health/ready (readiness), /metrics.",
     )
     serve.add_argument(
         "models",
@@ -71,8 +81,8 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
-        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
-        f"{API_KEY_VARIABLE} environment variable; none: no key)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and "
+        f"/health/ready (default: the {API_KEY_VARIABLE} environment variable; none: no key)",
     )
     serve.add_argument(
         "--allowed-hosts",
@@ -87,6 +97,22 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         metavar="N",
         help="largest request body before 413 (default 8 MiB)",
+    )
+    serve.add_argument(
+        "--max-text-chars",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="longest speech text a request or websocket segment may carry before 400 "
+        "(default 4096 characters); prompts are held to each model's context length",
+    )
+    serve.add_argument(
+        "--stall-seconds",
+        type=_positive_seconds,
+        default=None,
+        metavar="S",
+        help="/health/ready answers 503 while a model has steps waiting and no forward has "
+        "finished for S seconds (default 30), or a worker rank is down or restarting",
     )
     serve.set_defaults(handler=_serve)
 
@@ -157,8 +183,14 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
-    from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
+    from mstar_async.server import (
+        DEFAULT_MAX_CONCURRENT,
+        DEFAULT_MAX_TEXT_CHARS,
+        create_app,
+        serve,
+    )
     from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, hosts_to_answer
+    from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"
@@ -172,6 +204,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
             api_key=args.api_key,
             allowed_hosts=hosts_to_answer(args.allowed_hosts, args.host),
             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+            max_text_chars=args.max_text_chars or DEFAULT_MAX_TEXT_CHARS,
+            stall_after_s=args.stall_seconds or DEFAULT_STALL_SECONDS,
         )
     except (MstarError, ValueError) as exc:
         say(f"mstar serve: {exc}")
