@@ -12,8 +12,9 @@ numbers (as ``/generate`` sends latents and actions back); an image input (named
 
 from __future__ import annotations
 
+import inspect
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -33,10 +34,7 @@ class ProgramInputs:
     """
 
     def __init__(self, model: Model) -> None:
-        try:
-            hints = typing.get_type_hints(model.program)
-        except Exception:  # an annotation that does not resolve: take every input as it is
-            hints = {}
+        hints = _annotations(model.program)
         images = set(model.info.get("image_inputs", ()))
         self._kinds: dict[str, tuple[str, Any]] = {
             name: (_IMAGE if name in images else _kind(hint), hint) for name, hint in hints.items()
@@ -68,12 +66,32 @@ class ProgramInputs:
             raise APIError(400, f"{path}: {where}", param=path) from None
 
 
+def _annotations(program: Callable[..., Any]) -> dict[str, Any]:
+    """Each parameter's annotation, resolved one by one (as ``typing.get_type_hints`` does
+    for all at once), so one that does not resolve (a name local to the builder) leaves only
+    that input unchecked."""
+    hints = {}
+    for name, param in inspect.signature(program).parameters.items():
+        hint = param.annotation
+        if isinstance(hint, str):  # ``from __future__ import annotations``: our own source
+            try:
+                hint = eval(hint, getattr(program, "__globals__", {}))
+            except Exception:
+                hint = Any
+        hints[name] = Any if hint is inspect.Parameter.empty else hint
+    return hints
+
+
 def _kind(hint: Any) -> str:
     if hint is Any:
         return _AS_IS
     if _mentions(hint, torch.Tensor):
         return _TENSOR
-    return _AS_IS if _custom(msgspec.inspect.type_info(hint)) else _TYPED
+    try:
+        info = msgspec.inspect.type_info(hint)
+    except (TypeError, ValueError):  # a type msgspec cannot describe: the program checks it
+        return _AS_IS
+    return _AS_IS if _custom(info) else _TYPED
 
 
 def _mentions(hint: Any, kind: type) -> bool:
