@@ -34,7 +34,7 @@ from mstar_async.engines.kv import (
 )
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.allocator import AppendPlan
-from mstar_async.engines.kv.cache import paged_storage
+from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
 from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
@@ -168,7 +168,7 @@ class KVCacheEngine:
         num_layers: int,
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         device: str | torch.device = "cpu",
         backend: str = "auto",
         compile: bool | str = False,

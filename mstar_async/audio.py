@@ -139,18 +139,29 @@ class AudioEncoder:
         self._file.write(chunk.pcm.detach().reshape(-1).float().numpy().astype(np.float32))
         return head + self._drain()
 
-    def finish(self) -> bytes:
+    def finish(self, sample_rate: int | None = None) -> bytes:
         """The closing bytes (compressed formats flush their last frames); idempotent.
 
-        A stream that had no chunk gives no bytes.
+        A stream that had no chunk gives no bytes; with ``sample_rate`` it gives a whole stream
+        of no samples at that rate instead, so a reader sees a valid, empty file: a WAV header
+        of size 0, a FLAC ``STREAMINFO`` alone, Ogg's header pages (headerless PCM and MP3,
+        which is frames only, stay empty).
         """
         if self._finished:
             return b""
+        head = b""
+        if self.sample_rate is None and sample_rate is not None:
+            if self.format in ("wav", "flac"):
+                self._finished = True
+                return (
+                    wav_header(sample_rate, 0) if self.format == "wav" else _flac_empty(sample_rate)
+                )
+            head = self._start(sample_rate)
         self._finished = True
         if self._file is None:
-            return b""
+            return head
         self._file.close()
-        return self._drain()
+        return head + self._drain()
 
     def _start(self, sample_rate: int) -> bytes:
         if self.sample_rate is not None:
@@ -193,6 +204,15 @@ class AudioEncoder:
 # STREAMINFO follows "fLaC" and a 4-byte block header; its 64-bit big-endian word at byte 18
 # ends with the 36-bit total sample count, where 0 means "unknown".
 _FLAC_TOTAL_AT, _FLAC_TOTAL_END = 18, 26
+
+
+def _flac_empty(sample_rate: int) -> bytes:
+    # "fLaC", then one metadata block (the last: flag 0x80), STREAMINFO: block sizes 4096,
+    # frame sizes unknown (0), the rate, mono, 16 bits, total samples 0, no MD5. libsndfile
+    # writes nothing at all for a stream without samples.
+    word = (sample_rate << 44) | (0 << 41) | (15 << 36)
+    info = struct.pack(">HH", 4096, 4096) + bytes(6) + struct.pack(">Q", word) + bytes(16)
+    return b"fLaC" + b"\x80" + len(info).to_bytes(3, "big") + info
 
 
 def _flac_length_unknown(data: bytes) -> bytes:

@@ -15,7 +15,10 @@ from .sizing import blocks_for_budget
 if TYPE_CHECKING:
     from .attention import AttentionSpec
 
-__all__ = ["PagedKVCache", "paged_storage"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "PagedKVCache", "capacity_tokens", "paged_storage"]
+
+#: Tokens per KV block of the engines that take no ``block_size``.
+DEFAULT_BLOCK_SIZE = 16
 
 
 class PagedKVCache:
@@ -204,14 +207,7 @@ def paged_storage(
         raise ValueError(f"{owner}: give exactly one of kv_cache_bytes and num_blocks")
     if num_blocks is None:
         assert kv_cache_bytes is not None
-        num_blocks = blocks_for_budget(
-            kv_cache_bytes,
-            num_layers=num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            block_size=block_size,
-            dtype_bytes=torch.finfo(spec.dtype).bits // 8,
-        )
+        num_blocks = _budget_blocks(spec, num_layers, kv_cache_bytes, block_size)
     cache = PagedKVCache(
         num_layers=num_layers,
         num_blocks=num_blocks,
@@ -222,3 +218,31 @@ def paged_storage(
         device=device,
     )
     return PagedKVAllocator(num_blocks, block_size), cache
+
+
+def capacity_tokens(
+    spec: AttentionSpec,
+    *,
+    num_layers: int,
+    kv_cache_bytes: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> int:
+    """The tokens a cache sized by ``kv_cache_bytes`` holds in all (as ``paged_storage`` sizes
+    it): no one sequence can ever grow past it, so a request that needs more can never run.
+    Pure arithmetic: nothing is allocated.
+
+    Raises:
+        ValueError: the budget fits no block, or a size is not a positive int.
+    """
+    return _budget_blocks(spec, num_layers, kv_cache_bytes, block_size) * block_size
+
+
+def _budget_blocks(spec: AttentionSpec, num_layers: int, budget: int, block_size: int) -> int:
+    return blocks_for_budget(
+        budget,
+        num_layers=num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_size=block_size,
+        dtype_bytes=torch.finfo(spec.dtype).bits // 8,
+    )

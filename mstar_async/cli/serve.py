@@ -7,6 +7,7 @@ import functools
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,20 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 3600, got {text!r}")
-    return value
+def _seconds(*, positive: bool) -> Callable[[str], float]:
+    """A parser of seconds up to an hour: above 0 when ``positive``, else 0 or more."""
+    low = "above 0" if positive else "from 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not (value > 0 if positive else value >= 0) or value > 3600:
+            raise argparse.ArgumentTypeError(f"expected seconds {low} to 3600, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -48,8 +55,8 @@ def add_serve_parser(sub: Any) -> None:
         help="serve models over HTTP",
         description="Serve models over HTTP: /v1/chat/completions, /v1/completions, "
         "/v1/audio/speech, /v1/images/generations, /v1/models (OpenAI-compatible), the "
-        "/v1/audio/speech/stream websocket, /generate (every model, streamed), /health, "
-        "/metrics.",
+        "/v1/audio/speech/stream websocket, /generate (every model, streamed), /health "
+        "(liveness), /health/ready (readiness), /metrics.",
     )
     serve.add_argument(
         "models",
@@ -81,8 +88,8 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
-        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
-        f"{API_KEY_VARIABLE} environment variable; none: no key)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and "
+        f"/health/ready (default: the {API_KEY_VARIABLE} environment variable; none: no key)",
     )
     serve.add_argument(
         "--allowed-hosts",
@@ -100,11 +107,27 @@ def add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument(
         "--drain-seconds",
-        type=_seconds,
+        type=_seconds(positive=False),
         default=None,
         metavar="S",
         help="after SIGTERM or Ctrl-C, seconds running requests get to finish before they are "
         "cancelled and the server exits (default 10; whole seconds)",
+    )
+    serve.add_argument(
+        "--max-text-chars",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="longest speech text a request or websocket segment may carry before 400 "
+        "(default 4096 characters); prompts are held to each model's context length",
+    )
+    serve.add_argument(
+        "--stall-seconds",
+        type=_seconds(positive=True),
+        default=None,
+        metavar="S",
+        help="/health/ready answers 503 while a model has steps waiting and no forward has "
+        "finished for S seconds (default 30), or a worker rank is down or restarting",
     )
     serve.set_defaults(handler=_serve)
 
@@ -175,8 +198,14 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from mstar_async.loop import run_async
-    from mstar_async.server import DEFAULT_MAX_CONCURRENT, create_app, serve
+    from mstar_async.server import (
+        DEFAULT_MAX_CONCURRENT,
+        DEFAULT_MAX_TEXT_CHARS,
+        create_app,
+        serve,
+    )
     from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, hosts_to_answer
+    from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
     from mstar_async.server.run import DRAIN_SECONDS
 
     say = functools.partial(print, file=sys.stderr, flush=True)
@@ -191,6 +220,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
             api_key=args.api_key,
             allowed_hosts=hosts_to_answer(args.allowed_hosts, args.host),
             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+            max_text_chars=args.max_text_chars or DEFAULT_MAX_TEXT_CHARS,
+            stall_after_s=args.stall_seconds or DEFAULT_STALL_SECONDS,
         )
     except (MstarError, ValueError) as exc:
         say(f"mstar serve: {exc}")

@@ -15,6 +15,7 @@ from mstar_async.graph.blocks import (
     Sequential,
     Walk,
 )
+from mstar_async.graph.limits import ContextLimit, TokenCounter
 from mstar_async.graph.model import Model, Program
 from mstar_async.graph.nodes import Edge, Node, PortRef, stream
 from mstar_async.graph.plan import EdgePlan, WalkPlan
@@ -22,6 +23,7 @@ from mstar_async.graph.source import ModelSource
 
 __all__ = [
     "Block",
+    "ContextLimit",
     "DynamicLoop",
     "Edge",
     "EdgePlan",
@@ -35,6 +37,7 @@ __all__ = [
     "PortRef",
     "Program",
     "Sequential",
+    "TokenCounter",
     "Walk",
     "WalkPlan",
     "stream",

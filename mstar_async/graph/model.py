@@ -8,6 +8,7 @@ from typing import Any
 
 from mstar_async.errors import GraphError
 from mstar_async.graph.blocks import Walk, node_names
+from mstar_async.graph.limits import ContextLimit
 from mstar_async.graph.nodes import Edge, Node, check_name
 from mstar_async.graph.plan import WalkPlan, plan_walk
 from mstar_async.graph.source import ModelSource
@@ -25,7 +26,8 @@ class Model:
 
     Validated when built and immutable after. ``components`` maps each engine name that a node
     names to a zero-argument factory that builds that engine (so a worker process can build the
-    engines placement gives it).
+    engines placement gives it). ``context`` declares how long one request may be (see
+    ``ContextLimit``); a server refuses a request past it before admitting it.
 
     Raises:
         GraphError: any rule is broken: a duplicate node or walk name, an edge to an unknown node
@@ -45,12 +47,15 @@ class Model:
         edges: Sequence[Edge] = (),
         description: str = "",
         info: Mapping[str, Any] | None = None,
+        context: ContextLimit | None = None,
     ) -> None:
         self.name = check_name("model", name)
         self.description = description
         #: Facts servers and clients read without running a request (JSON-able values), e.g.
         #: ``sample_rate``, ``voices``, ``image_size``.
         self.info: Mapping[str, Any] = MappingProxyType(dict(info or {}))
+        #: How long one request may be (None: the model declares no limit).
+        self.context = context
         self.program = program
         self.nodes: Mapping[str, Node] = MappingProxyType(_index_nodes(nodes))
         self.edges: tuple[Edge, ...] = tuple(edges)

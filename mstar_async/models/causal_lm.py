@@ -10,7 +10,7 @@ detokenizer, so multi-byte characters split across tokens arrive whole.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,25 @@ import torch
 
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
-from mstar_async.graph import DynamicLoop, Edge, LoopStep, Model, Node, Walk
+from mstar_async.graph import (
+    ContextLimit,
+    DynamicLoop,
+    Edge,
+    LoopStep,
+    Model,
+    Node,
+    TokenCounter,
+    Walk,
+)
 from mstar_async.models.checkpoints import (
     ChatTokenizer,
     IncrementalDecoder,
     load_checkpoint,
+    read_config,
     smollm2_folder,
 )
-from mstar_async.models.llama import PagedDecoder
+from mstar_async.models.context import decoder_context
+from mstar_async.models.llama import DecoderConfig, PagedDecoder
 from mstar_async.models.registry import register
 from mstar_async.models.stop_strings import StopStrings
 from mstar_async.outputs import TextDelta, TextEnd
@@ -86,6 +97,25 @@ class _Text:
         return self.stops.push(self.detok.finish()) + self.stops.finish()
 
 
+def _prompt_ids(
+    tokenizer: ChatTokenizer, prompt: str, messages: list[dict[str, str]] | None, chat: bool
+) -> list[int]:
+    # A prompt is continued as written (a completion); messages, or chat=True, go through
+    # the checkpoint's chat template (a chat completion).
+    if messages is not None or chat:
+        conversation = messages or [{"role": "user", "content": prompt}]
+        return tokenizer.encode(tokenizer.apply_chat_template(conversation))
+    return tokenizer.encode(prompt)
+
+
+def _counter(tokenizer: ChatTokenizer) -> TokenCounter:
+    def count(inputs: Mapping[str, Any]) -> int:
+        prompt, messages = inputs.get("prompt", ""), inputs.get("messages")
+        return len(_prompt_ids(tokenizer, prompt, messages, bool(inputs.get("chat", False))))
+
+    return count
+
+
 def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
@@ -100,13 +130,6 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
         ignore_eos: bool = False,
         stop: list[str] | None = None,
     ) -> AsyncGenerator[Any, None]:
-        # A prompt is continued as written (a completion); messages, or chat=True, go through
-        # the checkpoint's chat template (a chat completion).
-        if messages is not None or chat:
-            conversation = messages or [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(conversation)
-        else:
-            text = prompt
         stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
@@ -116,7 +139,7 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
             max_tokens=max_tokens,
             stop_token_ids=stop_ids,
         )
-        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        ids = torch.tensor(_prompt_ids(tokenizer, prompt, messages, chat), dtype=torch.long)
         out = _Text(tokenizer, stop or [])
         reason = "length"
         first = int((await request.run("prefill", tokens=ids, sampling=sampling))["token"])
@@ -156,16 +179,21 @@ def build_causal_lm(
 ) -> Model:
     """Build the text-generation model over the checkpoint folder ``path`` (SmolLM2 if None).
 
-    The tokenizer loads here; the weights load when the engine is built on its worker.
+    The tokenizer and the config load here; the weights load when the engine is built on its
+    worker. A request's prompt plus ``max_tokens`` may not pass the smaller of the config's
+    ``max_position_embeddings`` and the tokens ``kv_cache_bytes`` holds (``model.context``).
 
     Raises:
         CheckpointError: the folder lacks a file it needs (the message names it).
-        ValueError: ``dtype`` is not bfloat16, float16 or float32.
+        ValueError: ``dtype`` is not bfloat16, float16 or float32; the config is not a
+            supported decoder; ``kv_cache_bytes`` fits no KV block.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     folder = Path(path) if path is not None else smollm2_folder()
     tokenizer = ChatTokenizer.from_folder(folder)
+    config = DecoderConfig.from_hf(read_config(folder))
+    context = decoder_context(config, dtype=_DTYPES[dtype], kv_cache_bytes=kv_cache_bytes)
     nodes = [
         Node("prefill", engine="lm", inputs=["tokens", "sampling"], outputs=["token"]),
         Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
@@ -195,4 +223,5 @@ def build_causal_lm(
         program=_program(tokenizer),
         components={"lm": factory},
         description=f"text generation from {folder}",
+        context=ContextLimit(context, _counter(tokenizer)),
     )

@@ -219,6 +219,15 @@ class DecoderConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 
+    def attention_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        """The :class:`AttentionSpec` of a cache holding this decoder's K/V in ``dtype``."""
+        return AttentionSpec(
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
         """Build from a Hugging Face ``config.json`` dict (``LlamaForCausalLM`` or
@@ -667,13 +676,7 @@ class PagedDecoder(nn.Module):
         ``dtype`` defaults to the weights' dtype, which is the dtype of ``q`` / ``k`` / ``v``.
         The softmax scale is the default ``1 / sqrt(head_dim)``, as upstream.
         """
-        cfg = self.config
-        return AttentionSpec(
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.dtype if dtype is None else dtype,
-        )
+        return self.config.attention_spec(self.dtype if dtype is None else dtype)
 
     # ------------------------------------------------------------------ running
 

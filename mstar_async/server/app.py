@@ -29,7 +29,13 @@ from mstar_async.server.errors import (
     handle_validation_error,
 )
 from mstar_async.server.guard import DEFAULT_MAX_BODY_BYTES, Guard
-from mstar_async.server.served import DEFAULT_MAX_CONCURRENT, ModelSpec, ServedModel
+from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
+from mstar_async.server.served import (
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_TEXT_CHARS,
+    ModelSpec,
+    ServedModel,
+)
 from mstar_async.server.state import ServerState
 
 log = get_logger("mstar_async.server")
@@ -53,17 +59,24 @@ def create_app(
     api_key: str | None = None,
     allowed_hosts: Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    stall_after_s: float = DEFAULT_STALL_SECONDS,
 ) -> Starlette:
     """An ASGI app serving ``models``; each is opened (``open_runtime``) when the app starts
     and closed when it stops, in the host's event loop.
 
     ``max_concurrent`` bounds the in-flight requests of each model that sets no bound of its
-    own; past it the app answers 429. ``progress`` receives a line as each model loads.
-    ``api_key``, ``allowed_hosts`` and ``max_body_bytes`` are checked on every request before
-    any route sees it (see ``Guard``: 401, 400, 413).
+    own; past it the app answers 429. ``max_text_chars`` bounds the speech text of one request
+    of each model that sets no bound of its own; past it, or past a model's context limit, the
+    app answers 400 before admitting the request (``limits``). ``progress`` receives a line as
+    each model loads. ``api_key``, ``allowed_hosts`` and ``max_body_bytes`` are checked on
+    every request before any route sees it (see ``Guard``: 401, 400, 413). ``stall_after_s``:
+    a model whose steps wait that long with no forward finishing is not ready
+    (``/health/ready`` answers 503).
 
     Raises:
-        ValueError: no models, two under one name, or a bound below 1.
+        ValueError: no models, two under one name, a bound below 1, or ``stall_after_s`` not
+            positive.
     """
     if not models:
         raise ValueError("serve at least one model")
@@ -71,10 +84,14 @@ def create_app(
     if len(set(names)) != len(names):
         raise ValueError(f"two models share a name in {names}: give one ModelSpec(name=...)")
     limits = {spec.served_name: spec.max_concurrent or max_concurrent for spec in models}
-    for name, limit in limits.items():
-        if limit < 1:
-            raise ValueError(f"max_concurrent of {name!r} must be >= 1, got {limit}")
-    state = ServerState()
+    chars = {spec.served_name: spec.max_text_chars or max_text_chars for spec in models}
+    for name in names:
+        for option, bound in (("max_concurrent", limits), ("max_text_chars", chars)):
+            if bound[name] < 1:
+                raise ValueError(f"{option} of {name!r} must be >= 1, got {bound[name]}")
+    if not stall_after_s > 0:
+        raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
+    state = ServerState(stall_after_s=stall_after_s)
     say = progress or (lambda line: None)
 
     @asynccontextmanager
@@ -87,7 +104,8 @@ def create_app(
                 runtime = await stack.enter_async_context(
                     open_runtime(spec.model, placement=spec.placement)
                 )
-                state.models.add(ServedModel(name, runtime, Admission(limits[name])))
+                served = ServedModel(name, runtime, Admission(limits[name]), chars[name])
+                state.models.add(served)
                 say(f"{name} ready in {time.perf_counter() - started:.1f} s")
                 log.info("server.model_ready", model=name)
             state.ready = True

@@ -21,7 +21,12 @@ from mstar_async.outputs import AudioChunk, TextDelta
 from mstar_async.server.errors import APIError
 from mstar_async.server.schemas import ChatCompletionRequest
 from mstar_async.server.served import ServedModel
-from mstar_async.server.speech_models import audio_format, voice_inputs, voice_name
+from mstar_async.server.speech_models import (
+    audio_format,
+    sample_rate,
+    voice_inputs,
+    voice_name,
+)
 from mstar_async.server.sse import DONE, sse_event
 from mstar_async.server.tracked import TrackedRequest
 
@@ -92,7 +97,7 @@ async def whole_message(tracked: TrackedRequest, reply: SpokenReply) -> dict[str
             text.append(item.text)
         elif isinstance(item, AudioChunk):
             audio.append(encoder.encode(item))
-    audio.append(encoder.finish())
+    audio.append(encoder.finish(sample_rate(tracked.served)))
     return {
         "role": "assistant",
         "content": None,

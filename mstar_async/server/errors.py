@@ -25,6 +25,7 @@ _TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
+    501: "not_implemented",
     503: "service_unavailable",
 }
 
@@ -32,6 +33,7 @@ _TYPES = {
 class APIError(Exception):
     """An error answered as an HTTP response: status, message, and the field at fault.
 
+    ``code`` is OpenAI's machine-readable code where one applies (``context_length_exceeded``);
     ``headers`` go on the response (e.g. ``Retry-After``).
     """
 
@@ -42,6 +44,7 @@ class APIError(Exception):
         *,
         param: str | None = None,
         type: str | None = None,
+        code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -49,13 +52,13 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.type = type or _TYPES.get(status, "error")
+        self.code = code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         """The OpenAI-shaped error body."""
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": None}
-        }
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error}
 
     def response(self) -> Response:
         """This error as a JSON response."""

@@ -1,8 +1,9 @@
 """``POST /generate``: the native streaming route, for every model and every output type.
 
-The body names the model and passes its program's inputs as they are; the response streams
-each output as a typed JSON event (see ``encode``) as server-sent events, or NDJSON lines with
-``"format": "ndjson"``, and ends with ``{"type": "done"}``.
+The body names the model and passes its program's inputs, each checked against the program's
+annotation (tensors as nested lists, images as base64 or data URLs: see ``program_inputs``);
+the response streams each output as a typed JSON event (see ``encode``) as server-sent events,
+or NDJSON lines with ``"format": "ndjson"``, and ends with ``{"type": "done"}``.
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ from starlette.routing import Route
 
 from mstar_async.server.encode import encode_output
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import FieldNames
 from mstar_async.server.schemas import GenerateRequest, decode
 from mstar_async.server.sse import EventStreamResponse, ndjson_line, sse_event
 from mstar_async.server.state import server_state
 from mstar_async.server.tracked import TrackedRequest
 
 GENERATE_ROUTE = "/generate"
+#: Program inputs travel under ``inputs`` in the body.
+INPUTS = FieldNames(prefix="inputs.")
 
 
 async def generate(request: Request) -> Response:
     """Run one request of any served model and stream its outputs.
 
     Raises:
-        APIError, msgspec.ValidationError: a bad body, unknown model or overload; the app
-            answers them as OpenAI-shaped errors (400, 404, 429).
+        APIError, msgspec.ValidationError: a bad body (an input of the wrong type, past a
+            limit), unknown model or overload; the app answers them as OpenAI-shaped errors
+            (400, 404, 429).
     """
     body = decode(await request.body(), GenerateRequest)
     state = server_state(request)
@@ -42,7 +47,8 @@ async def generate(request: Request) -> Response:
             f"model {served.name!r} takes no input {unknown[0]!r}; its inputs: {served.inputs}",
             param=f"inputs.{unknown[0]}",
         )
-    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, body.inputs)
+    inputs = served.program_inputs.convert(body.inputs, prefix=INPUTS.prefix)
+    tracked = await TrackedRequest.start(state, served, GENERATE_ROUTE, inputs, fields=INPUTS)
     if body.format == "ndjson":
         return EventStreamResponse(_events(tracked, ndjson_line), media_type="application/x-ndjson")
     return EventStreamResponse(_events(tracked, sse_event))

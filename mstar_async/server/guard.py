@@ -5,7 +5,7 @@ read by a route:
 
 - the ``Host`` header must name an allowed host (a page in a browser can otherwise reach a
   server on loopback through DNS rebinding): 400;
-- with an API key set, every route but the liveness probe needs ``Authorization: Bearer
+- with an API key set, every route but the health probes needs ``Authorization: Bearer
   <key>``: 401 (compared in constant time);
 - a request body may not exceed ``max_body_bytes``: 413, from ``Content-Length`` at once, or as
   soon as a chunked body passes the limit.
@@ -26,8 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 #: Host names a server bound to loopback answers to by default.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-#: Paths served without an API key (liveness probes).
-OPEN_PATHS = frozenset({"/health"})
+#: Paths served without an API key: the liveness and readiness probes, which an orchestrator
+#: asks without credentials and which tell no more than whether the models are served.
+OPEN_PATHS = frozenset({"/health", "/health/ready"})
 
 
 def hosts_to_answer(option: str | None, bind_host: str) -> list[str] | None:

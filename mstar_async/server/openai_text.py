@@ -19,6 +19,7 @@ from starlette.routing import Route
 from mstar_async.outputs import TextDelta
 from mstar_async.server.chat_audio import SpokenReply, spoken_reply, stream_chunks, whole_message
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import SAME_NAMES, FieldNames
 from mstar_async.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -93,7 +94,9 @@ async def chat_completions(request: Request) -> Response:
     reply, speech = spoken_reply(body, served)
     inputs.update(speech)
     shape = ResponseShape(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()))
-    return await _respond(request, served, CHAT_ROUTE, inputs, body, shape, reply)
+    renamed = {} if body.max_completion_tokens is None else {"max_tokens": "max_completion_tokens"}
+    fields = FieldNames(renamed)
+    return await _respond(request, served, CHAT_ROUTE, inputs, body, shape, reply, fields)
 
 
 async def completions(request: Request) -> Response:
@@ -185,11 +188,12 @@ async def _respond(
     body: SamplingFields,
     shape: ResponseShape,
     reply: SpokenReply | None = None,
+    fields: FieldNames = SAME_NAMES,
 ) -> Response:
     _check_supported(served, inputs)
     # A stream answers at once (its first chunk carries the role); errors then come as events.
     tracked = await TrackedRequest.start(
-        server_state(request), served, route, inputs, prime=not body.stream
+        server_state(request), served, route, inputs, prime=not body.stream, fields=fields
     )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -85,7 +85,7 @@ class SpeechRequest(Struct, kw_only=True):
     extensions passed to the model when its program takes them."""
 
     model: str
-    input: Annotated[str, Meta(min_length=1, max_length=4096)]
+    input: Annotated[str, Meta(min_length=1)]  # its length limit is the model's (limits.py)
     voice: str | VoiceID | None = None
     response_format: str = "wav"
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0

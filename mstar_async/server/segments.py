@@ -41,6 +41,15 @@ class SentenceSplitter:
         """Forget the buffered text."""
         self._pending = ""
 
+    @property
+    def pending(self) -> str:
+        """The buffered text that no sentence end has completed yet."""
+        return self._pending
+
+    def restore(self, pending: str) -> None:
+        """Make ``pending`` (read before a ``push``) the buffer again: undoes a refused push."""
+        self._pending = pending
+
 
 @dataclass(frozen=True)
 class SegmentAudio:

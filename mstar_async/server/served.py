@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mstar_async.graph import Model
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import APIError
+from mstar_async.server.program_inputs import ProgramInputs
 
 if TYPE_CHECKING:
     from mstar_async.worker.walk_loop import WalkLoop
 
 #: Requests one model serves at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT = 64
+#: Characters of speech text one request (or websocket segment) may carry unless told
+#: otherwise: a few paragraphs, far more than one utterance needs.
+DEFAULT_MAX_TEXT_CHARS = 4096
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model to serve: under ``name`` (default: the model's own), with an optional placement
-    and its own in-flight bound (default: the server's)."""
+    """A model to serve: under ``name`` (default: the model's own), with an optional placement,
+    its own in-flight bound and its own speech text limit in characters (defaults: the
+    server's)."""
 
     model: Model
     name: str | None = None
     placement: Placement | None = None
     max_concurrent: int | None = None
+    max_text_chars: int | None = None
 
     @property
     def served_name(self) -> str:
@@ -39,18 +46,37 @@ class ModelSpec:
 
 @dataclass
 class ServedModel:
-    """A model being served: its runtime, its admission bound, and its program's inputs."""
+    """A model being served: its runtime, its admission bound, its program's inputs, and the
+    most characters of speech text one request may carry (``max_text_chars``)."""
 
     name: str
     runtime: Runtime
     admission: Admission
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def inputs(self) -> list[str]:
         """The names of the program's inputs (what ``/generate`` accepts under ``inputs``)."""
-        params = list(inspect.signature(self.runtime.model.program).parameters)
-        return params[1:]  # the first is the request context
+        return list(self.defaults)
+
+    @functools.cached_property
+    def defaults(self) -> dict[str, Any]:
+        """The program's inputs, each with its default (``inspect.Parameter.empty``: none)."""
+        params = list(inspect.signature(self.runtime.model.program).parameters.values())
+        return {p.name: p.default for p in params[1:]}  # the first is the request context
+
+    @functools.cached_property
+    def program_inputs(self) -> ProgramInputs:
+        """Converts ``/generate``'s JSON inputs to what the program takes (checked types,
+        tensors, decoded images)."""
+        return ProgramInputs(self.runtime.model)
+
+    @property
+    def speaks(self) -> bool:
+        """Whether the model makes speech from a ``text`` input (its ``info`` declares a
+        ``sample_rate``): that text is held to ``max_text_chars``."""
+        return self.runtime.model.info.get("sample_rate") is not None and "text" in self.inputs
 
     def runtime_batching(self) -> WalkLoop | None:
         """The in-process batching loop, or None when steps run in worker processes."""

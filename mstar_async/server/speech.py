@@ -20,6 +20,7 @@ from starlette.routing import Route
 from mstar_async.audio import AudioEncoder
 from mstar_async.outputs import AudioChunk
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import FieldNames
 from mstar_async.server.schemas import SpeechRequest, decode
 from mstar_async.server.speech_models import (
     MEDIA_TYPES,
@@ -34,6 +35,8 @@ from mstar_async.server.state import server_state
 from mstar_async.server.tracked import TrackedRequest
 
 SPEECH_ROUTE = "/v1/audio/speech"
+#: The text to speak is ``input`` in the body.
+FIELDS = FieldNames({"text": "input"})
 #: ``response_format`` values served, in the order errors list them.
 SPEECH_FORMATS = ("wav", "flac", "mp3", "opus", "pcm")
 
@@ -55,12 +58,12 @@ async def speech(request: Request) -> Response:
     rate = sample_rate(served)
     inputs = speech_inputs(served, body.input, voice_name(body.voice))
     inputs.update(extension_inputs(served, _extensions(body)))
-    tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs)
+    tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs, fields=FIELDS)
     headers = {"x-sample-rate": str(rate)}
     if body.stream_format == "sse":
-        return EventStreamResponse(_events(tracked, fmt), headers=headers)
+        return EventStreamResponse(_events(tracked, fmt, rate), headers=headers)
     media = MEDIA_TYPES[body.response_format]
-    return EventStreamResponse(_audio(tracked, fmt), media_type=media, headers=headers)
+    return EventStreamResponse(_audio(tracked, fmt, rate), media_type=media, headers=headers)
 
 
 def routes() -> list[Route]:
@@ -90,7 +93,7 @@ def _extensions(body: SpeechRequest) -> dict[str, Any]:
     }
 
 
-async def _audio(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, None]:
+async def _audio(tracked: TrackedRequest, fmt: str, rate: int) -> AsyncGenerator[bytes, None]:
     # An error midway ends the body early (the connection is reset): a client reading audio
     # has no other channel for it.
     encoder = AudioEncoder(fmt)
@@ -98,13 +101,13 @@ async def _audio(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, Non
         async for item in tracked.outputs():
             if isinstance(item, AudioChunk) and (data := encoder.encode(item)):
                 yield data
-        if tail := encoder.finish():
+        if tail := encoder.finish(rate):
             yield tail
     finally:
         await tracked.close()
 
 
-async def _events(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, None]:
+async def _events(tracked: TrackedRequest, fmt: str, rate: int) -> AsyncGenerator[bytes, None]:
     encoder = AudioEncoder(fmt)
     samples = 0
     try:
@@ -113,7 +116,7 @@ async def _events(tracked: TrackedRequest, fmt: str) -> AsyncGenerator[bytes, No
                 samples += item.pcm.numel()
                 if data := encoder.encode(item):
                     yield sse_event(_delta(data))
-        if tail := encoder.finish():
+        if tail := encoder.finish(rate):
             yield sse_event(_delta(tail))
         yield sse_event(_done(tracked, samples))
     except APIError as exc:

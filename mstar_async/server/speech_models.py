@@ -68,15 +68,14 @@ def sample_rate(served: ServedModel) -> int:
     Raises:
         APIError: 400 (``param: "model"``) when the model does not speak.
     """
-    rate = served.runtime.model.info.get("sample_rate")
-    if rate is None or "text" not in served.inputs:
+    if not served.speaks:
         raise APIError(
             400,
             f"model {served.name!r} does not make speech from text; serve a speech model "
             "(orpheus, qwen3-omni) and name it",
             param="model",
         )
-    return int(rate)
+    return int(served.runtime.model.info["sample_rate"])
 
 
 def speech_inputs(

@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from mstar_async.outputs import AudioChunk
 from mstar_async.server.encode import pcm_s16le
 from mstar_async.server.errors import APIError, from_validation
+from mstar_async.server.limits import check_limits, check_text_chars
 from mstar_async.server.schemas import decode
 from mstar_async.server.segments import SegmentAudio, SegmentDone, SegmentedSpeech, SentenceSplitter
 from mstar_async.server.served import ServedModel
@@ -107,6 +108,37 @@ class _Session:
             await self.send({"type": "done"})
         done.cancel()
 
+    async def push(self, text: str) -> None:
+        """Buffer ``text``; queue the sentences it completes. A message that would make a
+        segment, or the buffer, longer than the model's limits is refused whole (an error
+        event; the buffer is as before it) and the session goes on."""
+        before = self.splitter.pending
+        sentences = self.splitter.push(text)
+        try:
+            # The buffer grows until a sentence ends: it may not outgrow a segment's limit.
+            check_text_chars(self.served, self.splitter.pending, "text")
+        except APIError as refused:
+            self.splitter.restore(before)
+            await self.send({"type": "error", **refused.body()})
+            return
+        if not await self.queue(sentences):
+            self.splitter.restore(before)
+
+    async def queue(self, segments: list[str]) -> bool:
+        """Queue ``segments`` if each fits the model's limits (``check_limits``, before any of
+        them is admitted); else send an error event naming the first that does not, queue
+        none and return False."""
+        try:
+            for text in segments:
+                inputs = {**speech_inputs(self.served, text, self.query.voice), **self.inputs}
+                check_limits(self.served, inputs)
+        except APIError as refused:
+            await self.send({"type": "error", **refused.body()})
+            return False
+        for text in segments:
+            self.speech.queue(text)
+        return True
+
     async def handle(self, raw: str) -> None:
         """Act on one client message."""
         try:
@@ -123,11 +155,10 @@ class _Session:
             )
             await self.send({"type": "error", **error.body()})
         elif message.type == "text":
-            for sentence in self.splitter.push(message.text):
-                self.speech.queue(sentence)
+            await self.push(message.text)
         elif message.type in ("flush", "end"):
             if text := self.splitter.flush():
-                self.speech.queue(text)
+                await self.queue([text])
             if message.type == "end":
                 self.speech.end_input()
                 self.ended = True

@@ -7,16 +7,19 @@ from dataclasses import dataclass, field
 from starlette.requests import HTTPConnection
 
 from mstar_async.server.metrics import ServerMetrics
+from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
 from mstar_async.server.served import ServedModels
 
 
 @dataclass
 class ServerState:
-    """The served models (filled while the app starts) and the server's metrics."""
+    """The served models (filled while the app starts), the server's metrics, and how long
+    steps may wait without a forward before ``/health/ready`` says 503."""
 
     models: ServedModels = field(default_factory=ServedModels)
     metrics: ServerMetrics = field(init=False)
     ready: bool = False
+    stall_after_s: float = DEFAULT_STALL_SECONDS
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.models)

@@ -6,10 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from mstar_async.errors import MstarError, RequestCancelled, RequestError
+from mstar_async.errors import RequestCancelled, RequestError
 from mstar_async.outputs import TextEnd
 from mstar_async.server.admission import Ticket
 from mstar_async.server.errors import APIError
+from mstar_async.server.limits import SAME_NAMES, FieldNames, check_limits
 from mstar_async.server.served import ServedModel
 
 if TYPE_CHECKING:
@@ -64,17 +65,22 @@ class TrackedRequest:
         inputs: dict[str, Any],
         *,
         prime: bool = True,
+        fields: FieldNames = SAME_NAMES,
     ) -> TrackedRequest:
-        """Admit and start a request with program ``inputs``; with ``prime``, wait for its first
-        output (a route that answers at once, like a chat stream's role chunk, does not).
+        """Check the request against the model's limits (``check_limits``; ``fields`` names
+        the request fields that carry the inputs), then admit and start it with program
+        ``inputs``; with ``prime``, wait for its first output (a route that answers at once,
+        like a chat stream's role chunk, does not).
 
         Cancel-safe: a cancelled start closes the request and frees its place.
 
         Raises:
-            APIError: 429 (with Retry-After) when the model is at its in-flight bound; 400 when
-                the inputs do not fit the program or the program rejects them; 500 when it fails.
+            APIError: 400 when the request is past a limit (before admission), the inputs do
+                not fit the program or the program rejects them; 429 (with Retry-After) when
+                the model is at its in-flight bound; 500 when it fails.
         """
         arrived = time.perf_counter()
+        check_limits(served, inputs, fields)
         ticket = served.admission.try_enter()
         if ticket is None:
             raise APIError(
@@ -182,8 +188,6 @@ class TrackedRequest:
 
 
 def _status_of(exc: RequestError) -> int:
-    """400 when the program rejected its inputs (a ValueError or TypeError), else 500."""
-    cause = exc.__cause__
-    if isinstance(cause, ValueError | TypeError) and not isinstance(cause, MstarError):
-        return 400
-    return 500
+    """400 when the program rejected its inputs (a ValueError or TypeError: no runtime error
+    is one, so only input checks raise them), else 500."""
+    return 400 if isinstance(exc.__cause__, ValueError | TypeError) else 500

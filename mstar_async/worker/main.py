@@ -170,6 +170,7 @@ def _loop_stats(batching: WalkLoop) -> dict[str, int]:
         "steps": stats.steps,
         "walks": batching.walks_running,
         "kv_blocks": kv_blocks,
+        "stalled_ms": int(batching.stalled_s * 1000),
     }
 
 

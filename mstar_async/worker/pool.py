@@ -640,6 +640,19 @@ class WorkerPool:
         """How many times ``rank``'s worker was replaced after dying."""
         return self.ranks[rank].restarts
 
+    def unready_ranks(self) -> dict[int, str]:
+        """The ranks that cannot take a step now, each with why: its worker is starting or
+        restarting (it has not said it is ready, or it has died and is being replaced), or it
+        is down (its restart failed). Empty when every rank is up. Never raises."""
+        out = {}
+        for rank, state in self.ranks.items():
+            dead = state.worker is not None and state.worker.returncode is not None
+            if state.down:
+                out[rank] = f"is down: {state.down}"
+            elif dead or state.worker is None or not state.ready.is_set():
+                out[rank] = "is restarting" if dead or state.restarts else "is starting"
+        return out
+
 
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():

@@ -124,6 +124,7 @@ class WalkLoop:
         self._round_done: asyncio.Event | None = None
         self._estimates: dict[tuple[str, ...], float] = {}
         self._thread: ForwardThread | None = None
+        self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
 
     @property
     def walks_running(self) -> int:
@@ -134,6 +135,16 @@ class WalkLoop:
     def stats(self) -> BatchStats:
         """Forwards, steps and batch sizes run so far."""
         return self.scheduler.stats
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds this loop has had steps waiting (queued, parked, or in a forward) without a
+        forward finishing; 0 while none wait. A readiness probe reads it: a forward that hangs,
+        or steps that are never taken, make it grow. Never raises."""
+        scheduler = self.scheduler
+        if not (self._in_round or scheduler.queued or scheduler.parked):
+            return 0.0
+        return time.monotonic() - self._progress_at
 
     # --- what the conductor (or a worker's message loop) calls -------------------------------
 
@@ -197,6 +208,9 @@ class WalkLoop:
         """Wake the loop: something it waits for may have changed (a walk, credit, a cancel)."""
         waiter = self._wakeup
         if waiter is not None and not waiter.done():
+            # The loop was idle: whatever it is woken for has waited from now, not from the
+            # last forward before it went idle.
+            self._progress_at = time.monotonic()
             waiter.set_result(None)
 
     async def submit(self, call: StepCall) -> dict[str, Any]:
@@ -269,6 +283,7 @@ class WalkLoop:
             finally:
                 self._in_round = False
                 self._round_done.set()
+            self._progress_at = time.monotonic()
             for job, outcome in finished:
                 self._resume(job, outcome)
 

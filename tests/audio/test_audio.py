@@ -56,6 +56,21 @@ def test_streamed_wav_reads_back_with_wave_and_soundfile() -> None:
     np.testing.assert_allclose(decoded, pcm.numpy(), atol=2 * S16)
 
 
+def test_a_stream_without_audio_finishes_as_a_whole_empty_file_at_a_given_rate() -> None:
+    assert AudioEncoder("wav").finish() == b""  # no rate: nothing to declare
+    wav = AudioEncoder("wav").finish(RATE)
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (len(wav), w.getframerate(), w.getnframes()) == (44, RATE, 0)
+    flac = AudioEncoder("flac").finish(RATE)
+    with soundfile.SoundFile(io.BytesIO(flac)) as f:  # header only: length unknown, as streamed
+        assert (f.format, f.samplerate, f.channels, len(flac)) == ("FLAC", RATE, 1, 42)
+    assert AudioEncoder("opus").finish(RATE)[:4] == b"OggS"
+    assert AudioEncoder("pcm_s16le").finish(RATE) == AudioEncoder("mp3").finish(RATE) == b""
+    encoder = AudioEncoder("wav")
+    head = encoder.encode(AudioChunk(torch.zeros(2), RATE))
+    assert len(head) == 48 and encoder.finish(RATE) == b""  # a stream with audio ends as before
+
+
 def test_wav_file_has_exact_sizes(tmp_path: Path) -> None:
     pcm = tone()
     assert write_audio(tmp_path / "a.wav", chunks(pcm)) == pcm.numel()

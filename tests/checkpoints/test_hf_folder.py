@@ -16,6 +16,7 @@ from mstar_async.models.checkpoints import (
     ChatTemplateError,
     ChatTokenizer,
     CheckpointError,
+    ConversationRejected,
     load_checkpoint,
 )
 from tests.checkpoints.tiny import (
@@ -154,8 +155,12 @@ def test_chat_template_matches_transformers(saved: Any, add_generation_prompt: b
 def test_template_raise_exception_and_missing_template(saved: Any, tmp_path: Path) -> None:
     _, _, folder = saved
     ours = ChatTokenizer.from_folder(folder)
-    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+    with pytest.raises(ChatTemplateError, match="unknown role tool") as rejected:
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
+    # The conversation is at fault, not the checkpoint: a server answers 400 for a ValueError.
+    assert isinstance(rejected.value, ConversationRejected) and isinstance(
+        rejected.value, ValueError
+    )
     target = _copy(folder, tmp_path)
     (target / "chat_template.jinja").unlink()
     config = json.loads((target / "tokenizer_config.json").read_text())

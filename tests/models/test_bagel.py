@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from mstar_async.engines.kv_engine import KVCacheEngine
+from mstar_async.errors import RequestError
 from mstar_async.models.bagel import bagel_config, build_bagel, tokenize
+from mstar_async.models.bagel.flow import MAX_STEPS
+from mstar_async.models.bagel.model import load_image
 from mstar_async.outputs import ImageOutput
 from mstar_async.runtime import open_runtime
 
@@ -158,3 +161,24 @@ async def test_guidance_scales_change_the_image() -> None:
     )
     for a, b in [(0, 1), (1, 2), (3, 4)]:
         assert (images[a] - images[b]).abs().max() > 1e-3, (a, b)
+
+
+def test_an_image_tensor_of_another_size_is_resized_and_a_bad_one_named() -> None:
+    cfg = bagel_config("tiny")
+    small = torch.rand(3, 32, 48)
+    resized = load_image(small, cfg)
+    assert resized.shape == (3, 64, 64) and 0 <= resized.min() <= resized.max() <= 1
+    assert torch.equal(load_image(EDIT_IMAGE, cfg), EDIT_IMAGE)
+    with pytest.raises(ValueError, match=r"image must be \[3, height, width\]"):
+        load_image(torch.rand(64, 64), cfg)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_schedule_past_max_steps_is_refused_before_it_runs() -> None:
+    async with open_runtime(build_bagel("tiny")) as runtime:
+        with pytest.raises(RequestError) as refused:
+            async with runtime.generate(prompt="x", steps=MAX_STEPS + 1) as outputs:
+                [item async for item in outputs]
+        assert isinstance(refused.value.__cause__, ValueError)
+        assert runtime.batching.stats.forwards == 0

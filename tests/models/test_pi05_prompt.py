@@ -36,7 +36,7 @@ def test_prompt_text_and_tokens() -> None:
 
 
 def test_bad_state_and_config_are_named() -> None:
-    with pytest.raises(MstarError, match="state must be a vector of 4 values"):
+    with pytest.raises(ValueError, match="state must be a vector of 4 values"):
         tokenize("x", torch.zeros(2, 2), TINY)
     with pytest.raises(MstarError, match="size must be one of"):
         make_config("huge")

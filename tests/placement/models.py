@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,17 @@ from mstar_async.graph import DynamicLoop, Edge, Model, Node, Walk
 from mstar_async.models import build_model
 from mstar_async.models.causal_lm import build_causal_lm
 from tests.checkpoints.tiny import train_tokenizer
+
+#: A tiny Llama's config.json (the model reads its shape to know its context limit).
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 async def _program(request: Any) -> AsyncGenerator[Any, None]:
@@ -26,9 +38,13 @@ def demo() -> Model:
 
 
 def causal_lm(folder: Path) -> Model:
-    """The zoo's causal-lm over a folder holding only a tiny tokenizer: building the model
-    loads the tokenizer, and the weights would load only when an engine is built."""
-    train_tokenizer("gpt2").save(str(folder / "tokenizer.json"))
+    """The zoo's causal-lm over a folder holding only a tiny tokenizer and config: building the
+    model reads both, and the weights would load only when an engine is built."""
+    tokenizer = train_tokenizer("gpt2")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(
+        json.dumps({**TINY_CONFIG, "vocab_size": tokenizer.get_vocab_size()})
+    )
     return build_causal_lm(folder)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mstar_async.cli.main import build_parser
 from mstar_async.cli.serve import placements
 from mstar_async.errors import MstarError
 from tests.server.conftest import openai_client
@@ -64,6 +65,27 @@ def test_serve_speech_omni_and_image_models_answers_their_routes() -> None:
     for name in ("orpheus", "qwen3-omni", "bagel"):
         assert f"loading {name} ..." in log
     assert "ready: orpheus, qwen3-omni, bagel" in log
+
+
+@pytest.mark.timeout(90)
+def test_serve_takes_a_text_limit_and_a_stall_time() -> None:
+    options = ("--max-text-chars", "20", "--stall-seconds", "2.5")
+    with mstar_serve("orpheus", *options, ready_within=60) as (url, _):
+        ready = http("GET", f"{url}/health/ready")
+        models = http("GET", f"{url}/v1/models").json()["data"]
+        speech = {"model": "orpheus", "input": "x" * 21, "max_tokens": 7}
+        refused = http("POST", f"{url}/v1/audio/speech", speech)
+    assert ready.status == 200 and ready.json()["status"] == "ready"
+    assert models[0]["max_text_chars"] == 20
+    assert refused.status == 400 and refused.json()["error"]["param"] == "input"
+    assert "at most 20 characters" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("option", ["--max-text-chars", "--stall-seconds"])
+def test_serve_limits_must_be_positive(option: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", option, "0"])
+    assert build_parser().parse_args(["serve", "--stall-seconds", "0.5"]).stall_seconds == 0.5
 
 
 def test_placement_options_name_their_model() -> None:

@@ -106,7 +106,7 @@ def test_generate_streams_text_and_its_end_as_ndjson(url: str) -> None:
     ("body", "status", "param"),
     [
         ({"model": "demo", "inputs": {"colour": "red"}}, 400, "inputs.colour"),
-        ({"model": "demo", "inputs": {"max_codes": "many"}}, 400, None),
+        ({"model": "demo", "inputs": {"max_codes": "many"}}, 400, "inputs.max_codes"),
         ({"model": "demo", "inputs": []}, 400, "inputs"),
         ({"inputs": {}}, 400, "model"),
         ({"model": "speech", "inputs": {}}, 404, "model"),

@@ -19,6 +19,9 @@ from tests.server.live import http
 pytestmark = pytest.mark.timeout(120)
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
+#: Generated tokens of a long reply: the tiny model's 256 positions hold the prompt and these.
+LONG = 200
+DECODE_S = 0.02
 
 
 class _DecodeGate:
@@ -42,6 +45,37 @@ class _DecodeGate:
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
+
+
+class _SlowDecode:
+    """Wraps the LM engine: every forward with a decode step takes ``DECODE_S`` longer, so a
+    request of a few hundred tokens (all the tiny model's positions allow) is still running
+    seconds later, when the test leaves it."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+
+    def cost(self, step: Step) -> int:
+        return self.inner.cost(step)
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        if any(step.op == "decode" for step in steps):
+            time.sleep(DECODE_S)
+        return self.inner.forward(steps)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+
+@contextmanager
+def slow_decode(live: Live) -> Iterator[Engine]:
+    engines = live.served().runtime.batching.engines
+    inner = engines["lm"]
+    engines["lm"] = _SlowDecode(inner)
+    try:
+        yield inner
+    finally:
+        engines["lm"] = inner
 
 
 @contextmanager
@@ -106,36 +140,36 @@ def test_past_the_limit_requests_get_429_at_once_and_admitted_ones_finish(live: 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request(live: Live) -> None:
     served = live.served()
-    engine = served.runtime.batching.engines["lm"]
-    stream = live.client.chat.completions.create(
-        model="causal-lm",
-        messages=MESSAGES,
-        max_tokens=4000,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    chunks = iter(stream)
-    while not next(chunks).choices[0].delta.content:  # past the role chunk, to generated text
-        pass
-    assert engine.blocks_in_use > 0 and len(served.runtime.conductor.active) == 1
-    stream.close()
-    left = time.perf_counter()
-    while engine.blocks_in_use or served.runtime.conductor.active:
-        assert time.perf_counter() - left < 3.0, "the request outlived its client"
-        time.sleep(0.01)
-    assert served.admission.in_flight == 0
+    with slow_decode(live) as engine:
+        stream = live.client.chat.completions.create(
+            model="causal-lm",
+            messages=MESSAGES,
+            max_tokens=LONG,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        while not next(chunks).choices[0].delta.content:  # past the role chunk, to the text
+            pass
+        assert engine.blocks_in_use > 0 and len(served.runtime.conductor.active) == 1
+        stream.close()
+        _wait_freed(live, engine)  # still slow: the request alone would run for seconds more
 
 
 def test_a_client_that_times_out_on_a_whole_reply_cancels_it_too(live: Live) -> None:
+    with slow_decode(live) as engine:
+        with pytest.raises(openai.APITimeoutError):
+            live.client.with_options(timeout=1.0).chat.completions.create(
+                model="causal-lm",
+                messages=MESSAGES,
+                max_tokens=LONG,
+                extra_body={"ignore_eos": True},
+            )
+        _wait_freed(live, engine)
+
+
+def _wait_freed(live: Live, engine: Any) -> None:
     served = live.served()
-    engine = served.runtime.batching.engines["lm"]
-    with pytest.raises(openai.APITimeoutError):
-        live.client.with_options(timeout=1.0).chat.completions.create(
-            model="causal-lm",
-            messages=MESSAGES,
-            max_tokens=4000,
-            extra_body={"ignore_eos": True},
-        )
     left = time.perf_counter()
     while engine.blocks_in_use or served.runtime.conductor.active:
         assert time.perf_counter() - left < 3.0, "the request outlived its client"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+from typing import Any
+
 import msgspec
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mstar_async.graph import Model, Node, Walk
 from mstar_async.outputs import LatentOutput, TextDelta
 from mstar_async.server.admission import Admission
 from mstar_async.server.encode import encode_output, pcm_s16le, png
-from mstar_async.server.errors import from_validation
+from mstar_async.server.errors import APIError, from_validation
+from mstar_async.server.program_inputs import ProgramInputs
 from mstar_async.server.schemas import ChatCompletionRequest, decode
 
 
@@ -70,3 +75,35 @@ def test_outputs_encode_by_type() -> None:
     assert latent == {"type": "latent", "step": 3, "shape": [2, 1], "data": [[1.0], [1.0]]}
     with pytest.raises(TypeError, match="no HTTP encoding for output type str"):
         encode_output("text")
+
+
+class Handle:
+    """A type JSON cannot describe."""
+
+
+def test_program_inputs_check_what_json_can_carry_and_pass_the_rest() -> None:
+    class Local:  # a name the annotation cannot resolve from the module
+        pass
+
+    async def program(
+        request: Any,
+        n: int = 1,
+        tags: list[str] | None = None,
+        handle: Handle | None = None,
+        local: Local | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        yield n
+
+    model = Model(
+        "typed",
+        nodes=[Node("a", engine="e", inputs=["x"], outputs=["y"])],
+        walks=[Walk("w", "a")],
+        program=program,
+        components={"e": lambda: None},
+    )
+    inputs = ProgramInputs(model)
+    given = {"n": 2, "tags": ["a"], "handle": Handle(), "local": Local()}
+    assert inputs.convert(given) == given
+    with pytest.raises(APIError) as wrong:
+        inputs.convert({"tags": ["a", 3]})
+    assert (wrong.value.status, wrong.value.param) == (400, "inputs.tags[1]")

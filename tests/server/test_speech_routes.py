@@ -275,7 +275,7 @@ def test_websocket_answers_bad_messages_and_a_bad_query_with_errors(live: Live) 
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
     info = {m.id: m.model_extra["info"] for m in live.client.models.list().data}
     assert info["orpheus"]["sample_rate"] == RATE and "tara" in info["orpheus"]["voices"]
-    assert info["bagel"] == {"image_size": 64}
+    assert info["bagel"] == {"image_size": 64, "image_inputs": ["image"]}
 
 
 def test_websocket_cancel_and_disconnect_free_the_kv_blocks(live: Live) -> None:

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import torch
 
+#: The longest schedule served: each step is a forward of every guidance branch, so a count
+#: past this holds the engine for minutes and is a mistake rather than a request.
+MAX_STEPS = 1000
+
 
 def timesteps(steps: int, shift: float) -> torch.Tensor:
     """``steps + 1`` times from 1 to 0, shifted towards 1 (more steps at high noise) as
     ``shift * t / (1 + (shift - 1) * t)``.
 
     Raises:
-        ValueError: ``steps`` is below 1 or ``shift`` is not positive.
+        ValueError: ``steps`` is not in ``1..MAX_STEPS`` or ``shift`` is not positive.
     """
-    if steps < 1 or not shift > 0:
-        raise ValueError(f"need steps >= 1 and shift > 0, got {steps} and {shift}")
+    if not 1 <= steps <= MAX_STEPS or not shift > 0:
+        raise ValueError(f"need 1 <= steps <= {MAX_STEPS} and shift > 0, got {steps} and {shift}")
     t = torch.linspace(1.0, 0.0, steps + 1)
     return shift * t / (1 + (shift - 1) * t)
 

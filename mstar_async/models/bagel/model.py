@@ -21,15 +21,28 @@ image.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mstar_async.engines import StatelessEngine
+from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, capacity_tokens
 from mstar_async.engines.kv_engine import KVCacheEngine
-from mstar_async.graph import Block, Edge, Loop, Model, Node, Parallel, Sequential, Walk
+from mstar_async.graph import (
+    Block,
+    ContextLimit,
+    Edge,
+    Loop,
+    Model,
+    Node,
+    Parallel,
+    Sequential,
+    TokenCounter,
+    Walk,
+)
 from mstar_async.models.bagel.config import BagelConfig, bagel_config, tokenize
 from mstar_async.models.bagel.dense import dense_op
 from mstar_async.models.bagel.flow import guide, timesteps
@@ -43,6 +56,7 @@ CFG_MODES = ("forked", "dense", "sequential")
 BRANCHES = ("cond", "text_uncond", "img_uncond")
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DEFAULT_PROMPT = "a red circle"
 
 
 def build_lm_engine(
@@ -77,17 +91,22 @@ def _flow_engine() -> StatelessEngine:
 
 
 def load_image(image: Any, cfg: BagelConfig) -> torch.Tensor:
-    """An input image as ``[3, S, S]`` in [0, 1] at the ViT's size: a tensor as is, or a path
-    to an image file (resized; needs Pillow).
+    """An input image as ``[3, S, S]`` in [0, 1] at the ViT's size: a ``[3, H, W]`` tensor in
+    [0, 1] (resized when H or W differ from S), or a path to an image file (resized; needs
+    Pillow). A server decodes images that arrive over the network into tensors: it never hands
+    a path from a request to this function.
 
     Raises:
-        ValueError: a tensor of another shape, or a file Pillow cannot read.
+        ValueError: a tensor that is not ``[3, H, W]``, or a file Pillow cannot read.
     """
     size = cfg.vit_image_size
     if isinstance(image, torch.Tensor):
-        if tuple(image.shape) != (3, size, size):
-            raise ValueError(f"image must be [3, {size}, {size}] in [0, 1], got {image.shape}")
-        return image.float()
+        if image.dim() != 3 or image.shape[0] != 3 or min(image.shape) < 1:
+            raise ValueError(f"image must be [3, height, width] in [0, 1], got {image.shape}")
+        if tuple(image.shape) == (3, size, size):
+            return image.float()
+        resized = F.interpolate(image.float()[None], size=(size, size), mode="bilinear")
+        return resized[0].clamp(0, 1)
     from PIL import Image
 
     try:
@@ -99,10 +118,35 @@ def load_image(image: Any, cfg: BagelConfig) -> torch.Tensor:
     return data.view(size, size, 3).permute(2, 0, 1).float() / 255
 
 
+def _counter(cfg: BagelConfig) -> TokenCounter:
+    def count(inputs: Mapping[str, Any]) -> int:
+        # What the request's KV holds before the latents: the prompt, and for an edit the input
+        # image's patches and the prompt again (the img_uncond branch holds it alone).
+        prompt = len(tokenize(inputs.get("prompt", _DEFAULT_PROMPT)))
+        if inputs.get("image") is None:
+            return prompt
+        return 2 * prompt + cfg.vit_grid**2
+
+    return count
+
+
+def _context_tokens(cfg: BagelConfig, mode: str, dtype: torch.dtype, kv_cache_bytes: int) -> int:
+    # Every step attends the latents of three branches on scratch blocks beside the prompt (up
+    # to two partial blocks each), and the latents take positions after the prompt.
+    decoder = cfg.decoder()
+    limit = decoder.max_position_embeddings - cfg.image_tokens
+    if mode == "dense":
+        return limit
+    kv = capacity_tokens(
+        decoder.attention_spec(dtype), num_layers=cfg.layers, kv_cache_bytes=kv_cache_bytes
+    )
+    return min(limit, kv - len(BRANCHES) * (cfg.image_tokens + 2 * DEFAULT_BLOCK_SIZE))
+
+
 def _program(cfg: BagelConfig, mode: str) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
-        prompt: str = "a red circle",
+        prompt: str = _DEFAULT_PROMPT,
         image: Any = None,
         steps: int = 12,
         cfg_text_scale: float = 4.0,
@@ -274,10 +318,12 @@ def build_bagel(
     ``cfg`` picks how guidance branches run: ``forked`` (forks of the prompt's paged KV, batched
     in one forward), ``dense`` (each branch recomputes its whole context every step, batched)
     or ``sequential`` (forked KV, one branch after another). ``overrides`` set ``BagelConfig``
-    fields.
+    fields. A request's prompt (and input image) may not pass what the backbone's positions
+    and KV cache hold beside the latents (``model.context``); ``info["image_inputs"]`` names
+    the input that takes an image.
 
     Raises:
-        ValueError: an unknown size, cfg mode or dtype.
+        ValueError: an unknown size, cfg mode or dtype; ``kv_cache_bytes`` fits no KV block.
         TypeError: an override names no ``BagelConfig`` field.
     """
     if cfg not in CFG_MODES:
@@ -309,5 +355,10 @@ def build_bagel(
         program=_program(config, cfg),
         components=components,
         description=f"BAGEL-style {size} model, {cfg} CFG branches",
-        info={"image_size": config.image_size},
+        info={"image_size": config.image_size, "image_inputs": ["image"]},
+        context=ContextLimit(
+            _context_tokens(config, cfg, torch_dtype, kv_cache_bytes),
+            _counter(config),
+            generates=None,
+        ),
     )

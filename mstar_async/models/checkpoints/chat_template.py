@@ -19,8 +19,14 @@ class ChatTemplateError(CheckpointError):
     """A chat template failed to compile, or called ``raise_exception`` while rendering."""
 
 
+class ConversationRejected(ChatTemplateError, ValueError):
+    """The template could not render this conversation: it called ``raise_exception``, or a
+    message lacks a field it reads. The conversation is at fault, not the checkpoint, so this
+    is also a ``ValueError`` (a server answers it as a bad request)."""
+
+
 def _raise_exception(message: str) -> NoReturn:
-    raise ChatTemplateError(f"chat template rejected the conversation: {message}")
+    raise ConversationRejected(f"chat template rejected the conversation: {message}")
 
 
 def _strftime_now(fmt: str) -> str:
@@ -69,8 +75,8 @@ def render_chat_template(
 
     The template sees ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
     any ``extra`` variables, and the helpers ``raise_exception`` and ``strftime_now``.
-    Raises ``ChatTemplateError`` if the template does not compile, calls
-    ``raise_exception``, or fails while rendering.
+    Raises ``ChatTemplateError`` if the template does not compile, and its subclass
+    ``ConversationRejected`` if it calls ``raise_exception`` or fails while rendering.
     """
     template = _compile(source)
     variables: dict[str, Any] = {
@@ -84,5 +90,6 @@ def render_chat_template(
         return template.render(**variables)
     except ChatTemplateError:
         raise
-    except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"chat template failed while rendering: {exc}") from exc
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        # A message without the field the template reads, or of a type it cannot handle.
+        raise ConversationRejected(f"chat template failed while rendering: {exc}") from exc

@@ -103,6 +103,17 @@ def load_state_dict(
     return state
 
 
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """``config.json`` of the checkpoint folder ``folder``, parsed (no weights are read).
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, or not a JSON object.
+    """
+    return _read_object(
+        Path(folder) / CONFIG_FILE, "configuration (config.json from save_pretrained)"
+    )
+
+
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None) -> Checkpoint:
     """Load the Hugging Face checkpoint folder at ``path``.
 
@@ -115,7 +126,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None) -> Ch
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder: pass a Hugging Face checkpoint folder")
-    config = _read_object(folder / CONFIG_FILE, "configuration (config.json from save_pretrained)")
+    config = read_config(folder)
     tokenizer = ChatTokenizer.from_folder(folder)
     state_dict = load_state_dict(folder, dtype)
     return Checkpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, path=folder)

@@ -166,8 +166,9 @@ class ChatTokenizer:
         """Render ``messages`` (dicts with ``role`` and ``content``) into a prompt string.
 
         ``extra`` keyword arguments become template variables (e.g. ``tools``).
-        Raises ``CheckpointError`` if the checkpoint has no chat template, and
-        ``ChatTemplateError`` (a ``CheckpointError``) if the template fails.
+        Raises ``CheckpointError`` if the checkpoint has no chat template, ``ChatTemplateError``
+        (a ``CheckpointError``) if the template does not compile, and ``ConversationRejected``
+        (a ``ChatTemplateError`` and a ``ValueError``) if it cannot render ``messages``.
         """
         if self.chat_template is None:
             raise CheckpointError(

@@ -12,7 +12,7 @@ the first code reaches SNAC like all the others.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,20 @@ import torch
 
 from mstar_async.engines import StatelessEngine
 from mstar_async.engines.sampling import SamplingParams
-from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, Sequential, Walk, stream
-from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.graph import (
+    ContextLimit,
+    DynamicLoop,
+    LoopStep,
+    Model,
+    Node,
+    Sequential,
+    TokenCounter,
+    Walk,
+    stream,
+)
+from mstar_async.models.checkpoints import ChatTokenizer, read_config
+from mstar_async.models.context import decoder_context
+from mstar_async.models.llama import DecoderConfig
 from mstar_async.models.orpheus.lm import SIZES, build_lm_engine, hf_config
 from mstar_async.models.orpheus.snac_codec import (
     SNAC_24KHZ,
@@ -44,6 +56,8 @@ DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 SAMPLE_RATE = 24_000
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SNAC_CONFIGS = {"tiny": SNAC_TINY, "small": SNAC_SMALL, "full": SNAC_24KHZ}
+_DEFAULT_TEXT = "Hello there, how are you?"
+_DEFAULT_VOICE = "tara"
 
 
 def _snac_engine(
@@ -67,13 +81,25 @@ def _check_voice(voice: str, voices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown voice {voice!r}; voices: {', '.join(voices)} (or '' for none)")
 
 
+def _prompt_ids(tokenizer: ChatTokenizer, vocab: OrpheusVocab, text: str, voice: str) -> list[int]:
+    return vocab.prompt_ids(tokenizer.encode(prompt_text(text, voice), add_special_tokens=True))
+
+
+def _counter(tokenizer: ChatTokenizer, vocab: OrpheusVocab, voice: str) -> TokenCounter:
+    def count(inputs: Mapping[str, Any]) -> int:
+        text = inputs.get("text", _DEFAULT_TEXT)
+        return len(_prompt_ids(tokenizer, vocab, text, inputs.get("voice", voice)))
+
+    return count
+
+
 def _program(
     tokenizer: ChatTokenizer, vocab: OrpheusVocab, voices: tuple[str, ...]
 ) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
-        text: str = "Hello there, how are you?",
-        voice: str = "tara",
+        text: str = _DEFAULT_TEXT,
+        voice: str = _DEFAULT_VOICE,
         max_tokens: int = 1200,
         temperature: float = 0.6,
         top_p: float = 0.8,
@@ -82,7 +108,7 @@ def _program(
         _check_voice(voice, voices)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = vocab.prompt_ids(tokenizer.encode(prompt_text(text, voice), add_special_tokens=True))
+        ids = _prompt_ids(tokenizer, vocab, text, voice)
         sampling = SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -124,11 +150,14 @@ def build_orpheus(
     names, tokenizer.json); ``snac_path`` a SNAC folder (config.json, pytorch_model.bin). Either
     replaces its seeded part. ``snac`` picks the seeded codec's config instead of the size's:
     ``tiny``, ``small`` or ``full`` (``hubertsiuzdak/snac_24khz``'s). The tokenizer loads here;
-    weights load when engines are built.
+    weights load when engines are built. A request's prompt plus ``max_tokens`` may not pass
+    the smaller of the LM's ``max_position_embeddings`` and the tokens ``kv_cache_bytes``
+    holds (``model.context``).
 
     Raises:
         CheckpointError: a folder lacks a file it needs, or its tokenizer lacks Orpheus' tokens.
-        ValueError: an unknown ``size``, ``snac`` or ``dtype``.
+        ValueError: an unknown ``size``, ``snac`` or ``dtype``; ``kv_cache_bytes`` fits no
+            KV block.
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -140,9 +169,13 @@ def build_orpheus(
     folder = Path(path) if path is not None else None
     tokenizer = ChatTokenizer.from_folder(folder) if folder is not None else byte_tokenizer()
     vocab = vocab_of(tokenizer)
+    config = hf_config(size, vocab) if folder is None else read_config(folder)
+    context = decoder_context(
+        DecoderConfig.from_hf(config), dtype=_DTYPES[dtype], kv_cache_bytes=kv_cache_bytes
+    )
     lm = functools.partial(
         build_lm_engine,
-        config=None if folder is not None else hf_config(size, vocab),
+        config=None if folder is not None else config,
         vocab=vocab,
         seed=seed,
         path=folder,
@@ -176,4 +209,5 @@ def build_orpheus(
         components={"lm": lm, "snac": codec},
         description=f"Orpheus TTS ({folder or size}) with SNAC ({snac_folder or size})",
         info={"sample_rate": SAMPLE_RATE, "voice_input": "voice", "voices": list(voices)},
+        context=ContextLimit(context, _counter(tokenizer, vocab, _DEFAULT_VOICE)),
     )

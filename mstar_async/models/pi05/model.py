@@ -26,7 +26,6 @@ from mstar_async.engines.prefix_cache import (
     PrefixCacheEngine,
     PrefixKV,
 )
-from mstar_async.errors import MstarError
 from mstar_async.graph import Edge, Loop, Model, Node, Sequential, Walk
 from mstar_async.models.pi05.config import Pi05Config, make_config
 from mstar_async.models.pi05.gemma import Pi05Policy, right_pad
@@ -153,7 +152,7 @@ def _check_image(image: Any) -> torch.Tensor:
         or image.shape[0] != 3
         or min(image.shape[1:]) < 32
     ):
-        raise MstarError(
+        raise ValueError(
             f"pi05: image must be a [3, height, width] tensor in [0, 1] with sides >= 32, "
             f"got {tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__}"
         )
@@ -170,7 +169,7 @@ def _program(cfg: Pi05Config) -> Callable[..., AsyncGenerator[Any, None]]:
         seed: int = 0,
     ) -> AsyncGenerator[Any, None]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise MstarError(f"pi05: steps must be an int >= 1, got {steps!r}")
+            raise ValueError(f"pi05: steps must be an int >= 1, got {steps!r}")
         pixels = _check_image(image if image is not None else synthetic_image(cfg, seed))
         robot = state if state is not None else synthetic_state(cfg, seed)
         await request.run("prefix", image=pixels, tokens=tokenize(instruction, robot, cfg))
@@ -209,7 +208,8 @@ def build_pi05(
 ) -> Model:
     """Build the policy at ``size`` (``tiny`` or ``small``) in fp32 on ``device``; ``overrides``
     set ``Pi05Config`` fields (e.g. ``seed=1``); ``max_requests`` bounds the prefixes the
-    policy engine holds.
+    policy engine holds. A request's bad input (image, state, steps) is a ``ValueError``;
+    ``info["image_inputs"]`` names the input that takes an image.
 
     Raises:
         MstarError: an unknown size or field, or stacks that cannot attend to each other.
@@ -259,4 +259,5 @@ def build_pi05(
             "euler": functools.partial(_euler_engine, device),
         },
         description=f"pi0.5-style policy ({size}): {cfg.action_horizon}x{cfg.action_dim} chunks",
+        info={"image_inputs": ["image"]},
     )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from mstar_async.errors import MstarError
 from mstar_async.models.pi05.config import Pi05Config
 
 
@@ -35,11 +34,11 @@ def tokenize(instruction: str, state: torch.Tensor, cfg: Pi05Config) -> torch.Te
     """Token ids (long, 1-D) of the prompt: beginning-of-sequence, then its UTF-8 bytes.
 
     Raises:
-        MstarError: ``state`` is not a vector of ``cfg.state_dim`` values.
+        ValueError: ``state`` is not a vector of ``cfg.state_dim`` values.
     """
     if not isinstance(state, torch.Tensor) or state.dim() != 1 or state.shape[0] != cfg.state_dim:
         got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
-        raise MstarError(
+        raise ValueError(
             f"pi05: state must be a vector of {cfg.state_dim} values in [-1, 1], got {got}"
         )
     text = format_prompt(instruction, state, cfg.state_bins)

@@ -30,7 +30,7 @@ from mstar_async.engines.kv import (
     select_attention_backend,
 )
 from mstar_async.engines.kv.admission import Admission, Demand
-from mstar_async.engines.kv.cache import paged_storage
+from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
@@ -104,7 +104,7 @@ class EmbedsKVEngine:
         num_layers: int,
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         device: str | torch.device = "cpu",
     ) -> None:
         if not ops:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from mstar_async.engines import StatelessEngine
+from mstar_async.engines.kv.cache import capacity_tokens
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.graph import (
+    ContextLimit,
     DynamicLoop,
     Edge,
     Loop,
@@ -43,6 +45,7 @@ from mstar_async.graph import (
     Model,
     Node,
     Sequential,
+    TokenCounter,
     Walk,
     stream,
 )
@@ -413,6 +416,33 @@ async def _speak(
                 yield LatentOutput(event.value, frames + event.iteration)
 
 
+def _prompt_ids(
+    tokenizer: ChatTokenizer, text: str, messages: list[dict[str, str]] | None
+) -> list[int]:
+    conversation = messages or [{"role": "user", "content": text}]
+    return tokenizer.encode(tokenizer.apply_chat_template(conversation))
+
+
+def _counter(tokenizer: ChatTokenizer) -> TokenCounter:
+    def count(inputs: Mapping[str, Any]) -> int:
+        return len(_prompt_ids(tokenizer, inputs.get("text", ""), inputs.get("messages")))
+
+    return count
+
+
+def _context_tokens(cfg: OmniConfig, dtype: torch.dtype, kv_cache_bytes: int) -> int:
+    # The thinker holds the prompt and the text; the talker holds the prompt too (and the
+    # speech frames, which max_frames bounds apart). No Qwen3Config records a position limit.
+    return min(
+        capacity_tokens(
+            part.attention_spec(dtype),
+            num_layers=part.num_hidden_layers,
+            kv_cache_bytes=kv_cache_bytes,
+        )
+        for part in (cfg.thinker, cfg.talker)
+    )
+
+
 def _program(
     cfg: OmniConfig, tokenizer: ChatTokenizer, tokens: TalkerTokens, left: int
 ) -> Callable[..., AsyncGenerator[Any, None]]:
@@ -438,8 +468,7 @@ def _program(
         voice = (speaker or next(iter(tokens.speakers))).lower()
         if voice not in tokens.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; speakers: {sorted(tokens.speakers)}")
-        conversation = messages or [{"role": "user", "content": text}]
-        ids = torch.tensor(tokenizer.encode(tokenizer.apply_chat_template(conversation)))
+        ids = torch.tensor(_prompt_ids(tokenizer, text, messages))
         stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
@@ -519,10 +548,12 @@ def build_qwen3_omni(
     tokenizer, or, with ``path``, a Qwen3-Omni checkpoint folder (its config, tokenizer and
     weights by upstream names; audio/vision towers ignored).
 
-    The tokenizer loads here; weights load when the engines are built on their worker.
+    The tokenizer loads here; weights load when the engines are built on their worker. A
+    request's prompt plus ``max_tokens`` may not pass what the thinker's and the talker's KV
+    caches hold (``model.context``).
 
     Raises:
-        ValueError: an unknown ``size`` or ``dtype``.
+        ValueError: an unknown ``size`` or ``dtype``; ``kv_cache_bytes`` fits no KV block.
         CheckpointError: the folder lacks a file it needs.
     """
     if dtype not in _DTYPES:
@@ -557,4 +588,7 @@ def build_qwen3_omni(
             "voice_input": "speaker",
             "voices": sorted(tokens.speakers),
         },
+        context=ContextLimit(
+            _context_tokens(cfg, torch_dtype, kv_cache_bytes), _counter(tokenizer)
+        ),
     )
