@@ -91,10 +91,12 @@ def decode_gate(live: Live) -> Iterator[_DecodeGate]:
 
 
 def _admitted(live: Live) -> Any:
+    # Long enough that the first request cannot finish before the second one prefills (the
+    # gate shuts only then), however slowly a loaded machine lets the second one in.
     return live.client.chat.completions.create(
         model="causal-lm",
         messages=MESSAGES,
-        max_tokens=12,
+        max_tokens=LONG,
         stream=True,
         extra_body={"ignore_eos": True},
     )
