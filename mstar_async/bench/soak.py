@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from mstar_async.bench.common import ProgressLog, machine_info, percentile
+from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.errors import MstarError
 from mstar_async.loop import run_async
 
@@ -69,6 +70,13 @@ class SoakConfig:
             )
         if not 1 <= self.clients <= 256 or not self.models:
             raise ValueError(f"clients must be in [1, 256] and models not empty, got {self}")
+
+
+def preset(quick: bool) -> SoakConfig:
+    """The default soak, or with ``quick`` a few seconds of the demo model (for checks)."""
+    if quick:
+        return SoakConfig(minutes=0.1, sample_s=1.0, clients=2, models=("demo",))
+    return SoakConfig()
 
 
 @dataclass
@@ -164,14 +172,25 @@ def _requests(models: Sequence[str]) -> list[tuple[str, str, dict[str, Any]]]:
     if text:
         out += [
             ("short", "/v1/completions", {"model": text, "prompt": "Hello", "max_tokens": 4}),
-            ("stream", "/v1/completions",
-             {"model": text, "prompt": "Once", "max_tokens": 32, "stream": True}),
-            ("drop", "/v1/completions",
-             {"model": text, "prompt": "Twice", "max_tokens": 512, "stream": True}),
-        ]  # fmt: skip
+            (
+                "stream",
+                "/v1/completions",
+                {"model": text, "prompt": "Once", "max_tokens": 32, "stream": True},
+            ),
+            (
+                "drop",
+                "/v1/completions",
+                {"model": text, "prompt": "Twice", "max_tokens": 512, "stream": True},
+            ),
+        ]
     if speech:
-        out.append(("speech", "/v1/audio/speech",
-                    {"model": speech, "input": "Hi there.", "max_tokens": 40}))  # fmt: skip
+        out.append(
+            (
+                "speech",
+                "/v1/audio/speech",
+                {"model": speech, "input": "Hi there.", "max_tokens": 40},
+            )
+        )
     out.append(("malformed", "/v1/completions", {"model": models[0], "max_tokens": "many"}))
     if not out[:-1]:
         out.append(("short", "/generate", {"model": models[0], "inputs": {}}))
@@ -205,9 +224,12 @@ def _one(host: str, port: int, kind: str, path: str, body: dict[str, Any]) -> No
 
 
 def _client(
-    url: str, work: Sequence[tuple[str, str, dict[str, Any]]], until: float, seed: int,
+    url: str,
+    work: Sequence[tuple[str, str, dict[str, Any]]],
+    until: float,
+    seed: int,
     windows: _Windows,
-) -> None:  # fmt: skip
+) -> None:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     pick = random.Random(seed)
@@ -257,8 +279,9 @@ def _free_port() -> int:
 
 
 def _server(app: Any, port: int) -> uvicorn.Server:
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
-                            access_log=False, log_level="warning")  # fmt: skip
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="on", access_log=False, log_level="warning"
+    )
     return uvicorn.Server(config)
 
 
@@ -316,8 +339,9 @@ async def _soak(
     started = time.monotonic()
     start = await _sample(watch, started, _Window())
     samples = [start]
-    progress(f"serving {', '.join(config.models)}; {config.clients} clients for "
-             f"{config.minutes:g} min")  # fmt: skip
+    progress(
+        f"serving {', '.join(config.models)}; {config.clients} clients for {config.minutes:g} min"
+    )
     until = started + 60 * config.minutes
     work = _requests(config.models)
     clients = [
@@ -338,7 +362,7 @@ async def _soak(
         client.result()
     settled = await _settle(watch, start, started)
     progress(f"settled: {_line(settled)}")
-    return _report(config, samples, settled, start, failures)
+    return _report(config, samples, settled, start, failures, time.monotonic() - started)
 
 
 async def _settle(watch: _Watch, start: Sample, started: float) -> Sample:
@@ -357,29 +381,52 @@ def _report(
     settled: Sample,
     start: Sample,
     failures: list[str],
+    seconds: float,
 ) -> dict[str, Any]:
+    """The report, in the one shape: a result row per sample, then the settled state; the
+    checks as aims (each a count that must stay at or under its target)."""
     loaded = samples[1:] or samples
-    checks = {
-        "no KV block held after the load": settled.kv_blocks == 0,
-        "no request in flight after the load": settled.in_flight == 0,
-        f"file descriptors back within {FD_SLACK} of the start": (
-            settled.fds <= start.fds + FD_SLACK
+    rows = [{"phase": "load", **asdict(s)} for s in samples]
+    rows.append(
+        {
+            "phase": "settled",
+            **asdict(settled),
+            "rss_growth_mb": round(settled.rss_mb - loaded[0].rss_mb, 1),
+            "requests": sum(s.done for s in loaded),
+            "failures": failures[:20],
+        }
+    )
+    aims = [
+        aim_entry("KV blocks held after the load", 0, settled.kv_blocks, compare="<="),
+        aim_entry("requests in flight after the load", 0, settled.in_flight, compare="<="),
+        aim_entry(
+            "file descriptors over the start after the load",
+            FD_SLACK,
+            settled.fds - start.fds,
+            compare="<=",
         ),
-        "no shared-memory file left": settled.shm_files <= start.shm_files,
-        "no request failed": sum(s.failed for s in loaded) == 0,
-    }
-    return {
-        "benchmark": "soak",
-        "config": asdict(config),
-        "machine": machine_info(),
-        "samples": [asdict(s) for s in samples],
-        "settled": asdict(settled),
-        "rss_growth_mb": round(settled.rss_mb - loaded[0].rss_mb, 1),
-        "requests": sum(s.done for s in loaded),
-        "failures": failures[:20],
-        "checks": checks,
-        "ok": all(checks.values()),
-    }
+        aim_entry(
+            "shared-memory files over the start after the load",
+            0,
+            settled.shm_files - start.shm_files,
+            compare="<=",
+        ),
+        aim_entry("requests failed", 0, sum(s.failed for s in loaded), compare="<="),
+    ]
+    system = system_entry(
+        "server",
+        "create_app on uvicorn in this process, clients on threads of it",
+        models=list(config.models),
+    )
+    return make_report(
+        "soak",
+        workload={**asdict(config), "settle_s": SETTLE_S},
+        machine=machine_info(),
+        systems=[system],
+        results=rows,
+        aims=aims,
+        seconds=seconds,
+    )
 
 
 def _line(s: Sample) -> str:
@@ -393,12 +440,18 @@ def _line(s: Sample) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as text: a line per sample, the settled state, the checks."""
-    lines = [_line(Sample(**s)) for s in report["samples"]]
-    lines.append(f"settled: {_line(Sample(**report['settled']))}")
-    lines.append(f"RSS growth under load: {report['rss_growth_mb']} MB; "
-                 f"{report['requests']} requests")  # fmt: skip
-    lines += [f"  {'ok ' if ok else 'FAILED'} {what}" for what, ok in report["checks"].items()]
-    lines += [f"  failure: {f}" for f in report["failures"]]
+    fields = set(Sample.__dataclass_fields__)
+    rows = report["results"]
+    lines = [_line(Sample(**{k: v for k, v in r.items() if k in fields})) for r in rows[:-1]]
+    settled = rows[-1]
+    lines.append(f"settled: {_line(Sample(**{k: v for k, v in settled.items() if k in fields}))}")
+    lines.append(
+        f"RSS growth under load: {settled['rss_growth_mb']} MB; {settled['requests']} requests"
+    )
+    for aim in report["aims"]:
+        verdict = "ok " if aim["met"] else "FAILED"
+        lines.append(f"  {verdict} {aim['name']}: {aim['measured']} (at most {aim['target']})")
+    lines += [f"  failure: {f}" for f in settled["failures"]]
     return "\n".join(lines)
 
 

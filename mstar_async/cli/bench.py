@@ -10,6 +10,7 @@ of running.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -552,19 +553,31 @@ def _add_soak_parser(kinds: Any) -> None:
     )
     if soak is None:
         return
-    soak.add_argument("--minutes", type=_minutes, default=5.0, help="how long the load runs (5)")
-    soak.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (10)")
-    soak.add_argument("--clients", type=_positive, default=8, help="concurrent clients (8)")
     soak.add_argument(
-        "--models", default="causal-lm,orpheus", help="comma-separated zoo models to serve"
+        "--quick", action="store_true", help="the demo model, 2 clients, 6 s, a sample a second"
+    )
+    soak.add_argument("--minutes", type=_minutes, default=None, help="how long the load runs (5)")
+    soak.add_argument("--sample-s", type=float, default=None, help="seconds between samples (10)")
+    soak.add_argument("--clients", type=_positive, default=None, help="concurrent clients (8)")
+    soak.add_argument(
+        "--models", default=None, help="comma-separated zoo models to serve (causal-lm,orpheus)"
     )
     soak.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _soak(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    models = tuple(name.strip() for name in args.models.split(",") if name.strip())
-    config = module.SoakConfig(
-        minutes=args.minutes, sample_s=args.sample_s, clients=args.clients, models=models
+    base = module.preset(args.quick)
+    models = (
+        None
+        if args.models is None
+        else tuple(name.strip() for name in args.models.split(",") if name.strip())
     )
+    given = {
+        "minutes": args.minutes,
+        "sample_s": args.sample_s,
+        "clients": args.clients,
+        "models": models,
+    }
+    config = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
     report = module.run_soak_sync(config)
     return report, module.format_report(report)

@@ -80,3 +80,8 @@ def overhead_run() -> BenchRun:
     argv = ("--concurrency", concurrency, "--iterations", str(OVERHEAD_ITERATIONS))
     systems = ",".join(OVERHEAD_SYSTEMS)
     return run_bench("overhead", "--quick", "--json", *argv, "--repeat", "1", "--systems", systems)
+
+
+@pytest.fixture(scope="session")
+def soak_run() -> BenchRun:
+    return run_bench("soak", "--quick", "--json", "--minutes", "0.05")

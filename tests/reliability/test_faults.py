@@ -26,8 +26,13 @@ from tests.server.live import live_server
 pytestmark = pytest.mark.timeout(120)
 
 #: A streamed completion as long as the tiny model's 256 positions allow.
-STREAM = {"model": "causal-lm", "prompt": "once upon", "max_tokens": 240, "stream": True,
-          "ignore_eos": True}  # fmt: skip
+STREAM = {
+    "model": "causal-lm",
+    "prompt": "once upon",
+    "max_tokens": 240,
+    "stream": True,
+    "ignore_eos": True,
+}
 
 
 class Faulty:
@@ -79,8 +84,12 @@ class Server:
     def open_stream(self, body: dict[str, Any] | None = None) -> Stream:
         """A streaming completion, read up to its first event."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps(body or STREAM),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body or STREAM),
+            {"Content-Type": "application/json"},
+        )
         stream = Stream(conn, conn.getresponse())
         try:
             assert stream.reply.status == 200, stream.read()
