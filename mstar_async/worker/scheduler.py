@@ -104,9 +104,11 @@ class _Line:
     def __init__(self, weight: float) -> None:
         self.weight = weight
         self.points = 0
+        self.last_tokens = 0
         self._n = self._t = self._nn = self._nt = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self.last_tokens = tokens
         w = 1.0 if self.points == 0 else self.weight
         self._n += w * (tokens - self._n)
         self._t += w * (seconds - self._t)
@@ -161,7 +163,10 @@ class ForwardTimer:
                 d = self.decode_s
                 self.decode_s = seconds if d is None else d + self.weight * (seconds - d)
             return
-        base = self.decode_s if short_steps and self.decode_s is not None else 0.0
+        # Over a decode round's time, with decodes in the forward or not: a decode round is
+        # mostly what any forward costs (reading the weights), and one line cannot fit points
+        # that carry that cost and points that do not.
+        base = self.decode_s if self.decode_s is not None else 0.0
         self._line.observe(long_tokens, max(0.0, seconds - base))
 
     def estimate(self) -> tuple[float, float] | None:
@@ -181,28 +186,39 @@ class ForwardTimer:
 
     def tokens_within(self, bound_s: float, decoding: bool = False) -> int | None:
         """The most tokens of long steps a forward may take to stay within its time limit
-        under ``bound_s`` (at least 0), or None when nothing caps them: no forward with long
-        steps seen yet, time that does not grow with tokens, or a fixed cost over the limit by
-        itself (smaller chunks could not help)."""
+        under ``bound_s``, or None before any forward with long steps (nothing known yet).
+
+        Where the timer cannot tell yet what a token costs (chunks of one size so far, or
+        points that give no slope), a chunk half as large again is tried, to learn it; where
+        a fixed cost alone passes the limit, a chunk costs at most that fixed cost again. A
+        chunk is never more than half as large again as the last one.
+        """
         estimate = self.estimate()
         if estimate is None:
             return None
         fixed, per_token = estimate
-        base = self.decode_s if decoding and self.decode_s is not None else 0.0
-        room = self.time_limit(bound_s, decoding) - base - fixed
-        if per_token <= 0 or room <= 0:
-            return None
-        tokens = int(room / per_token)
-        if self._line.varied:
-            return tokens
-        # Chunks of one size so far: the cautious guess charges all their time per token, so
-        # it cannot tell a fixed cost from a cost per token. Chunks of that size that fit keep
-        # it; if even one- or two-token chunks do not fit, a fixed cost makes them too slow
-        # and smaller chunks could not help.
         mean = self._line.mean_tokens
+        probe = max(2, (3 * self._line.last_tokens + 1) // 2)
+        if per_token <= 0:
+            return probe
+        base = self.decode_s if self.decode_s is not None else 0.0
+        room = self.time_limit(bound_s, decoding) - base - fixed
+        if self._line.varied:
+            # At most half as large again as the last chunk: a slope fitted from a few noisy
+            # points can be near zero for a while, and a grant from it hundreds of times big.
+            tokens = _fit(room, per_token) if room > 0 else max(1, _fit(fixed, per_token))
+            return min(tokens, probe)
+        # Chunks of one size so far: all their time is charged per token, which cannot tell a
+        # fixed cost from a cost per token. Those that fit keep their size; one- or two-token
+        # chunks that do not are tried larger.
         if mean * per_token <= room * 1.001:
-            return max(tokens, int(mean))
-        return None if mean <= 2 else tokens
+            return max(_fit(room, per_token), int(mean))
+        return probe if mean <= 2 else max(0, _fit(room, per_token))
+
+
+def _fit(seconds: float, per_token: float) -> int:
+    # Estimates carry rounding error: 1.9999999 tokens' worth of time is two tokens.
+    return int(seconds / per_token + 1e-6)
 
 
 class Scheduler:
@@ -445,7 +461,8 @@ class Scheduler:
         cap = None if timer is None else timer.tokens_within(self.forward_time_bound_s, tokens > 0)
         if cap is None:
             return self.max_batch_tokens
-        return min(self.max_batch_tokens, max(cap, tokens + 1))
+        # ``cap`` counts the long steps' tokens only: the one-token steps chosen come on top.
+        return min(self.max_batch_tokens, tokens + max(cap, 1))
 
     def _forward_one(self, batch: Batch, engine: Engine, run: list[int]) -> None:
         steps = [batch.jobs[k].step for k in run]

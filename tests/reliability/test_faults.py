@@ -22,6 +22,7 @@ from mstar_async.models import build_model
 from mstar_async.server import ModelSpec, ServedModel, create_app
 from tests.server.live import http as request
 from tests.server.live import live_server
+from tests.server.test_bad_requests import BAD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,5 +195,30 @@ def test_a_forward_that_fails_mid_stream_fails_its_requests_alone(
     assert any('"error"' in body for body in ended)
     for body in ended:
         assert body.rstrip().endswith("data: [DONE]") or '"error"' in body
+    server.wait_clean(fds, threads)
+    server.answers()
+
+
+def test_bad_and_over_long_inputs_are_refused_and_leave_nothing(server: Server) -> None:
+    fds, threads = _baseline(server)
+    text_routes = ("/v1/completions", "/v1/chat/completions")
+    bad = [
+        (route, body)
+        for route, body, _ in BAD
+        if route in text_routes and isinstance(body, dict) and body.get("model") == "causal-lm"
+    ]
+    long_text = "word " * 20_000  # far past the tiny model's 256 positions
+    bad += [
+        ("/v1/completions", {"model": "causal-lm", "prompt": long_text, "max_tokens": 4}),
+        (
+            "/v1/chat/completions",
+            {"model": "causal-lm", "messages": [{"role": "user", "content": long_text}]},
+        ),
+        ("/generate", {"model": "causal-lm", "inputs": {"prompt": long_text}}),
+    ]
+    assert len(bad) >= 15
+    for route, body in bad:
+        reply = request("POST", server.url + route, body, timeout=60)
+        assert 400 <= reply.status < 500, (route, reply.body[:200])
     server.wait_clean(fds, threads)
     server.answers()
