@@ -115,9 +115,9 @@ async def open_runtime(
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.
     ``max_batch_size``, ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward
-    of an engine (a long prefill is cut into chunks whose forward stays under the time bound, or
-    under two decode rounds where one nears it, so a cancel frees memory promptly and running
-    requests keep their pace; see ``ForwardTimer``).
+    of an engine (a long prefill is cut into chunks whose forward stays under the time bound,
+    or under one and a half decode rounds where one nears it, so a cancel frees memory
+    promptly and running requests keep their pace; see ``ForwardTimer``).
 
     Raises:
         PlacementError: the placement does not fit the model.

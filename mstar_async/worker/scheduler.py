@@ -142,11 +142,12 @@ class ForwardTimer:
     per token; in a forward with decodes, over the decode round's time).
 
     The time a forward may take (``time_limit``) is the bound, except where a decode round
-    alone comes near it: then a forward may take twice a decode round, so prompts always get
-    at least as much of the engine as the decodes beside them (on a slow machine a strict
-    bound would feed a prompt a few tokens per round and keep the batch from ever filling).
-    Where decodes are fast, a forward with decodes takes at most three decode rounds, so a
-    long prompt arriving costs running requests at most 3x their inter-token latency.
+    alone comes near it: then a forward may take one and a half decode rounds, so prompts
+    always get a share of the engine beside the decodes (on a slow machine a strict bound
+    would feed a prompt a few tokens per round and keep the batch from ever filling); without
+    decodes, two. Where decodes are fast, a forward with decodes takes at most two and a half
+    decode rounds, so a long prompt arriving costs running requests less than 3x their
+    inter-token latency, what the estimates miss included.
     """
 
     def __init__(self, weight: float = 0.25) -> None:
@@ -181,7 +182,7 @@ class ForwardTimer:
         if d is None:
             return bound_s
         if decoding:
-            return max(2 * d, min(bound_s, 3 * d))
+            return max(1.5 * d, min(bound_s, 2.5 * d))
         return max(bound_s, 2 * d)
 
     def tokens_within(self, bound_s: float, decoding: bool = False) -> int | None:
@@ -428,7 +429,8 @@ class Scheduler:
 
     def _choose(self, name: str, candidates: list[Job]) -> Batch:
         """One-token steps first, then longer ones with the tokens left (within the time
-        bound's grant, but never below the one-token steps or one token for a long step).
+        bound's grant, but never below the one-token steps or one token for a long step; with
+        no time grant while long steps outnumber the one-token ones beside them).
 
         Steps of an op the engine runs whole whatever their budget (seen once finishing on
         less) are held to ``max_batch_tokens`` only: a smaller grant would not shorten their
@@ -436,12 +438,18 @@ class Scheduler:
         """
         engine = self.engines[name]
         costs = [1 if j.step.op in _MOVES else _cost(engine, j.step) for j in candidates]
+        # When more requests wait for a long step (a prompt) than run one-token steps beside
+        # them, most of the engine's users wait for their first output: serve them in full
+        # chunks (the limit protects the pace of running requests, here the minority). With
+        # nothing running the limit stays: it bounds how long a cancel waits.
+        waiting = sum(cost > 1 for cost in costs)
+        prompts_first = 0 < len(costs) - waiting < waiting
         chosen: list[Job] = []
         chosen_costs: list[int] = []
         tokens = 0
         limit = self.max_batch_tokens
         for short in (True, False):
-            if not short:
+            if not short and not prompts_first:
                 limit = self._long_limit(name, tokens)
             for job, cost in zip(candidates, costs, strict=True):
                 if (cost == 1) != short:
