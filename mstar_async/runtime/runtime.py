@@ -116,7 +116,7 @@ async def open_runtime(
     replaces one. Leaving the block cancels requests still running and stops every worker.
     ``max_batch_size``, ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward
     of an engine (a long prefill is cut into chunks whose forward stays under the time bound,
-    or under one and a half decode rounds where one nears it, so a cancel frees memory
+    or under a decode round and a quarter where one nears it, so a cancel frees memory
     promptly and running requests keep their pace; see ``ForwardTimer``).
 
     Raises:

@@ -142,12 +142,12 @@ class ForwardTimer:
     per token; in a forward with decodes, over the decode round's time).
 
     The time a forward may take (``time_limit``) is the bound, except where a decode round
-    alone comes near it: then a forward may take one and a half decode rounds, so prompts
+    alone comes near it: then a forward may take a decode round and a quarter, so prompts
     always get a share of the engine beside the decodes (on a slow machine a strict bound
     would feed a prompt a few tokens per round and keep the batch from ever filling); without
-    decodes, two. Where decodes are fast, a forward with decodes takes at most two and a half
-    decode rounds, so a long prompt arriving costs running requests less than 3x their
-    inter-token latency, what the estimates miss included.
+    decodes, two. Where decodes are fast, a forward with decodes takes at most two decode
+    rounds, so a long prompt arriving costs running requests less than 3x their inter-token
+    latency, what the estimates miss (up to half again) included.
     """
 
     def __init__(self, weight: float = 0.25) -> None:
@@ -182,7 +182,7 @@ class ForwardTimer:
         if d is None:
             return bound_s
         if decoding:
-            return max(1.5 * d, min(bound_s, 2.5 * d))
+            return max(1.25 * d, min(bound_s, 2 * d))
         return max(bound_s, 2 * d)
 
     def tokens_within(self, bound_s: float, decoding: bool = False) -> int | None:

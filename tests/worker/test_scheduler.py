@@ -325,9 +325,9 @@ def test_decode_rounds_near_the_bound_still_leave_prompts_a_share_of_the_forward
     for tokens in (100, 300):
         timer.observe(0, tokens, 0.01 + 0.001 * tokens)  # 1 ms per prompt token
     timer.observe(32, 0, 0.09)  # a decode round alone takes 90 ms of the 100 ms bound
-    # Beside decodes a forward may take one and a half decode rounds: 45 ms of prompt tokens.
-    assert timer.time_limit(0.1, decoding=True) == pytest.approx(0.135)
-    assert timer.tokens_within(0.1, decoding=True) == pytest.approx(35, abs=1)
+    # Beside decodes a forward may take a decode round and a quarter: 22.5 ms of prompt tokens.
+    assert timer.time_limit(0.1, decoding=True) == pytest.approx(0.1125)
+    assert timer.tokens_within(0.1, decoding=True) == pytest.approx(12, abs=1)
     # What a forward with decodes takes over a decode round teaches the per-token cost.
     timer.observe(32, 50, 0.09 + 0.001 * 50)
     estimate = timer.estimate()
@@ -335,10 +335,10 @@ def test_decode_rounds_near_the_bound_still_leave_prompts_a_share_of_the_forward
     fast = ForwardTimer()
     fast.observe(0, 200, 0.002 + 0.0001 * 200)
     fast.observe(0, 50, 0.002 + 0.0001 * 50)
-    fast.observe(32, 0, 0.01)  # fast decodes: a forward beside them takes 2.5 at most
-    assert fast.time_limit(0.1, decoding=True) == pytest.approx(0.025)
+    fast.observe(32, 0, 0.01)  # fast decodes: a forward beside them takes two at most
+    assert fast.time_limit(0.1, decoding=True) == pytest.approx(0.02)
     assert fast.time_limit(0.1, decoding=False) == pytest.approx(0.1)
-    # 130 tokens fit the 15 ms left beside the decodes; the last chunk was 50, so 75 first.
+    # 80 tokens fit the 10 ms left beside the decodes; the last chunk was 50, so 75 first.
     assert fast.tokens_within(0.1, decoding=True) == 75
 
 
@@ -405,7 +405,7 @@ def test_chunks_slowed_by_a_fixed_cost_grow_to_what_the_fixed_cost_buys() -> Non
     assert grants[-1] == pytest.approx(500, rel=0.05)
     # Chunks of one size that fit exactly keep that size rather than shrink by rounding.
     steady = ForwardTimer()
-    steady.observe(1, 0, 0.004 / 3)  # 2.5 decode rounds leave 2 ms beside the decodes
+    steady.observe(1, 0, 0.002)  # two decode rounds leave 2 ms beside the decodes
     for _ in range(20):
-        steady.observe(1, 8, 0.004 / 3 + 8 * 0.00025)  # 2 ms of chunk
+        steady.observe(1, 8, 0.002 + 8 * 0.00025)  # 2 ms of chunk
     assert steady.tokens_within(0.1, decoding=True) == 8
