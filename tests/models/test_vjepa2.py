@@ -66,7 +66,9 @@ async def test_default_inputs_are_seeded_and_predictions_change_with_the_plan() 
         other = await rollout(runtime, horizon=4, seed=8)
     assert_matches(first, reference(random_inputs(CFG, 4, seed=7)))
     for a, b, c in zip(first, again, other, strict=True):
-        assert torch.equal(a.latent, b.latent)
+        # The same seed, the same predictions: to the numerics' tolerance, since chunks are
+        # sized from measured forward times and may split a context differently each run.
+        torch.testing.assert_close(a.latent, b.latent, atol=TOLERANCE, rtol=0)
         assert not torch.allclose(a.latent, c.latent, atol=1e-3)
 
 
