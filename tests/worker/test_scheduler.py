@@ -382,7 +382,7 @@ def test_a_long_prompt_beside_decodes_keeps_each_forward_within_three_decode_rou
         # A running request waits about three decode rounds at most for its next token (10%
         # for what the timer's estimates miss while they settle).
         assert took <= 3 * decode_round * 1.1 + 1e-9, (rounds, took, decode_round)
-        assert rounds < 3000, "the prompt made no progress"
+        assert rounds <= prompt + 50, "the prompt made no progress"  # a token a round at least
 
 
 def test_chunks_slowed_by_a_fixed_cost_grow_to_what_the_fixed_cost_buys() -> None:
