@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ __all__ = [
     "cpu_model",
     "cpu_sample",
     "foreign_cores",
+    "free_port",
     "machine_info",
     "percentile",
     "process_cpu_seconds",
@@ -30,6 +32,14 @@ __all__ = [
     "ratio_table",
     "summarize",
 ]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -19,7 +19,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from mstar_async.bench.common import ProgressLog, machine_info, percentile
+from mstar_async.bench.common import ProgressLog, free_port, machine_info, percentile
 from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.errors import MstarError
 from mstar_async.loop import run_async
@@ -144,8 +143,7 @@ class _Watch:
         for served in self.models.values():
             runtime = served.runtime
             if runtime.pool is None:
-                engines = runtime.batching.engines.values()
-                total += sum(int(getattr(e, "blocks_in_use", 0)) for e in engines)
+                total += runtime.batching.kv_blocks_in_use
             else:
                 for rank in runtime.pool.ranks:
                     with contextlib.suppress(MstarError):
@@ -271,13 +269,6 @@ class _Windows:
 # --------------------------------------------------------------------------- running
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _server(app: Any, port: int) -> uvicorn.Server:
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, lifespan="on", access_log=False, log_level="warning"
@@ -316,7 +307,7 @@ async def run_soak(config: SoakConfig, progress: Progress) -> dict[str, Any]:
     except (MstarError, ValueError, OSError) as exc:
         raise SoakError(f"cannot build the models: {exc}") from exc
     app = create_app(specs, max_concurrent=max(64, 2 * config.clients))
-    port = _free_port()
+    port = free_port()
     server = _server(app, port)
     serving = asyncio.ensure_future(server.serve())
     try:

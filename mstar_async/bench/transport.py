@@ -83,7 +83,6 @@ for inproc. ``rows(result, measurement)`` picks one kind of row. ``--throughput-
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -96,7 +95,14 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
-from mstar_async.bench.common import ProgressLog, machine_info, quiet, ratio_table, summarize
+from mstar_async.bench.common import (
+    ProgressLog,
+    free_port,
+    machine_info,
+    quiet,
+    ratio_table,
+    summarize,
+)
 from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.loop import run_async
 from mstar_async.models import build_model
@@ -315,13 +321,6 @@ def _launcher_kind(name: str) -> str:
     return "none" if name == "in-process" else "remote" if name.endswith("-tcp") else "local"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def _open(name: str) -> AsyncIterator[Runtime]:
     """The runtime of placement ``name``; for a ``-tcp`` one, its ranks are ``mstar worker``
@@ -332,7 +331,7 @@ async def _open(name: str) -> AsyncIterator[Runtime]:
             yield runtime
         return
     assert placement is not None
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "mstar_async.cli", "worker"]
     command += ["--conductor", f"tcp://127.0.0.1:{port}", "--rank"]
     procs = []

@@ -127,15 +127,19 @@ class Scope:
 
 
 class _NodeFacts:
-    """What firing a node needs, computed once per walk run: its input refs (streamed inputs
-    left out), and per output port its ref, the edges it feeds, whether a later walk keeps it
+    """What firing a node needs, computed once per walk run: the streamed walk input it is fed
+    (``fed``) or the streaming edge it consumes in its own scope (``streamed``), its other
+    input refs, and per output port its ref, the edges it feeds, whether a later walk keeps it
     and the walk output name it is (if any)."""
 
-    __slots__ = ("inputs", "node", "outputs")
+    __slots__ = ("fed", "inputs", "node", "outputs", "streamed")
 
-    def __init__(self, run: WalkRun, node: Node, skip: frozenset[PortRef]) -> None:
+    def __init__(self, run: WalkRun, node: Node) -> None:
         plan = run.plan
         self.node = node
+        self.fed: PortRef | None = run._fed_by_node.get(node.name)
+        self.streamed: EdgePlan | None = plan.stream_input(node.name)
+        skip = {self.fed, self.streamed.dst if self.streamed else None}
         refs = ((port, PortRef(node.name, port)) for port in node.inputs)
         self.inputs = [(port, ref) for port, ref in refs if ref not in skip]
         self.outputs = [
@@ -195,7 +199,6 @@ class WalkRun:
         self._outputs = {ref: str(ref) for ref in plan.outputs}
         self._names: dict[PortRef, str] = {}
         self._walk_name = plan.walk.name
-        self._stream_inputs: dict[str, Any] = {}  # node -> the streaming edge it consumes
         self._fed = {
             ref: StreamEdge(trampoline, policy.fresh(), plan.walk.max_buffer)
             for ref, policy in plan.input_streams.items()
@@ -331,14 +334,10 @@ class WalkRun:
                 target.cells[edge].close()
 
     async def _run_node(self, node: Node, scope: Scope) -> None:
-        streamed = self._stream_inputs.get(node.name, _UNKNOWN)
-        if streamed is _UNKNOWN:
-            streamed = self._stream_inputs[node.name] = self.plan.stream_input(node.name)
-        fed = self._fed_by_node.get(node.name)
         facts = self._facts.get(node.name)
         if facts is None:
-            skip = {ref for ref in (fed, streamed and streamed.dst) if ref is not None}
-            facts = self._facts[node.name] = _NodeFacts(self, node, frozenset(skip))
+            facts = self._facts[node.name] = _NodeFacts(self, node)
+        fed, streamed = facts.fed, facts.streamed
         inputs: dict[str, Any] = {}
         for port, ref in facts.inputs:
             value = _in_scope(ref, scope)

@@ -164,12 +164,11 @@ async def _run_step(
 
 def _loop_stats(batching: WalkLoop) -> dict[str, int]:
     stats = batching.stats
-    kv_blocks = sum(int(getattr(e, "blocks_in_use", 0)) for e in batching.engines.values())
     return {
         "forwards": stats.forwards,
         "steps": stats.steps,
         "walks": batching.walks_running,
-        "kv_blocks": kv_blocks,
+        "kv_blocks": batching.kv_blocks_in_use,
         "stalled_ms": int(batching.stalled_s * 1000),
     }
 

@@ -449,8 +449,11 @@ class Scheduler:
         tokens = 0
         limit = self.max_batch_tokens
         for short in (True, False):
-            if not short and not prompts_first:
-                limit = self._long_limit(name, tokens)
+            if not short:
+                if not waiting:
+                    break  # a round of one-token steps only: no second pass, no time estimate
+                if not prompts_first:
+                    limit = self._long_limit(name, tokens)
             for job, cost in zip(candidates, costs, strict=True):
                 if (cost == 1) != short:
                     continue

@@ -132,6 +132,11 @@ class WalkLoop:
         return self.trampoline.groups
 
     @property
+    def kv_blocks_in_use(self) -> int:
+        """KV blocks the engines here hold now (engines without a paged cache count 0)."""
+        return sum(int(getattr(e, "blocks_in_use", 0)) for e in self.engines.values())
+
+    @property
     def stats(self) -> BatchStats:
         """Forwards, steps and batch sizes run so far."""
         return self.scheduler.stats

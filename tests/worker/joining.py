@@ -4,7 +4,6 @@ the demo split in two and its in-process answers, a quick launcher."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,13 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 INPUTS = {"text": "over plain tcp", "max_codes": 16, "steps": 2, "seed": 3}
 CODEC_SPLIT = Placement.from_yaml(EXAMPLES / "codec_split.yaml")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 class Workers:

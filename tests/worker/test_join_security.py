@@ -23,13 +23,13 @@ from mstar_async.worker.join import JOIN_FAILED, run_remote_worker
 from mstar_async.worker.main import WorkerConfig
 from mstar_async.worker.remote import RemoteLauncher
 from mstar_async.worker.sources import ZOO_BUILDER
+from tests.server.process import free_port
 from tests.transport.support import tapped
 from tests.worker.joining import (
     CODEC_SPLIT,
     INPUTS,
     ONE_LOOP,
     Workers,
-    free_port,
     in_process,
     launcher,
 )

@@ -35,12 +35,12 @@ from mstar_async.worker.control import (
 from mstar_async.worker.join import CONDUCTOR_LOST, JOIN_FAILED, run_remote_worker
 from mstar_async.worker.main import WorkerConfig
 from mstar_async.worker.remote import RemoteLauncher
+from tests.server.process import free_port
 from tests.worker.joining import (
     CODEC_SPLIT,
     INPUTS,
     ONE_LOOP,
     Workers,
-    free_port,
     in_process,
     launcher,
 )
