@@ -304,14 +304,24 @@ class WalkLoop:
         """Run the round's forwards; True when they ran on the forward thread."""
         key = tuple(b.engine for b in batch.batches)
         estimate = self._estimates.get(key)
-        start = time.perf_counter()
         threaded = estimate is None or estimate >= self.inline_below_s
+        took = 0.0
+
+        def forward() -> None:
+            nonlocal took
+            # Timed where it runs: a threaded forward's time must not include the hand-off,
+            # or a forward once sent to the thread would look too slow ever to come back.
+            start = time.perf_counter()
+            try:
+                self.scheduler.forward(batch)
+            finally:
+                took = time.perf_counter() - start
+
         if threaded:
             assert self._thread is not None
-            await self._thread.run(lambda: self.scheduler.forward(batch))
+            await self._thread.run(forward)
         else:
-            self.scheduler.forward(batch)
-        took = time.perf_counter() - start
+            forward()
         self._estimates[key] = took if estimate is None else estimate + _EMA * (took - estimate)
         return threaded
 

@@ -102,6 +102,37 @@ async def test_slow_forwards_run_off_the_loop_thread_and_fast_ones_inline() -> N
             assert all((t == loop_thread) == inline_expected for t in later)
 
 
+async def test_a_fast_forward_sent_to_the_thread_once_comes_back_inline() -> None:
+    # The hand-off to the forward thread and back is made slow (50 ms) while the forward stays
+    # fast: timing the forward with its hand-off would keep every later forward on the thread.
+    async with open_runtime(build_model("noop")) as runtime:
+        batching = runtime.batching
+        batching.inline_below_s = 0.01
+        thread = batching._thread
+        assert thread is not None
+        run = thread.run
+
+        async def slow_handoff(fn: Any) -> None:
+            await run(fn)
+            await anyio.sleep(0.05)
+
+        thread.run = slow_handoff  # type: ignore[method-assign]
+        loop_thread = threading.get_ident()
+        threads: list[int] = []
+        engine = batching.engines["noop"]
+        forward = engine.forward
+
+        def watched(steps: Any) -> Any:
+            threads.append(threading.get_ident())
+            return forward(steps)
+
+        engine.forward = watched  # type: ignore[method-assign]
+        async with runtime.generate(iterations=10) as outputs:
+            assert len([item async for item in outputs]) == 10
+        assert threads[0] != loop_thread
+        assert all(t == loop_thread for t in threads[1:])
+
+
 async def test_leaving_a_request_frees_its_kv_and_leaves_no_walk(tiny_folder: Path) -> None:
     model = build_model("causal-lm", path=tiny_folder, dtype="float32")
     async with open_runtime(model) as runtime:
