@@ -17,9 +17,19 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
+from mstar_async.errors import MstarError
 from mstar_async.logs import get_logger
-from mstar_async.runtime import open_runtime
-from mstar_async.server import admin, generate, images, openai_text, speech, speech_stream
+from mstar_async.models import build_model
+from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.server import (
+    admin,
+    generate,
+    images,
+    openai_text,
+    realtime,
+    speech,
+    speech_stream,
+)
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import (
     APIError,
@@ -46,6 +56,7 @@ ROUTE_MODULES: tuple[Callable[[], Sequence[BaseRoute]], ...] = (
     openai_text.routes,
     speech.routes,
     speech_stream.routes,
+    realtime.routes,
     images.routes,
     generate.routes,
 )
@@ -108,6 +119,7 @@ def create_app(
                 state.models.add(served)
                 say(f"{name} ready in {time.perf_counter() - started:.1f} s")
                 log.info("server.model_ready", model=name)
+            state.vad = await _open_vad(stack, state, say)
             state.ready = True
             say(f"ready: {', '.join(state.models)}")
             try:
@@ -132,3 +144,20 @@ def create_app(
     )
     app.state.server = state
     return app
+
+
+async def _open_vad(
+    stack: AsyncExitStack, state: ServerState, say: Callable[[str], None]
+) -> Runtime | None:
+    """The ``silero-vad`` runtime realtime sessions share, where a served model can hold a
+    realtime conversation; None elsewhere, or when the VAD cannot load (sessions then commit
+    their audio by hand, and say so)."""
+    if not any("messages" in served.inputs for served in state.models.values()):
+        return None
+    try:
+        runtime = await stack.enter_async_context(open_runtime(build_model("silero-vad")))
+    except MstarError as exc:
+        log.warning("server.vad_unavailable", error=str(exc))
+        say(f"server VAD unavailable: {exc}")
+        return None
+    return runtime

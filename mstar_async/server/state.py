@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
 
@@ -10,16 +11,21 @@ from mstar_async.server.metrics import ServerMetrics
 from mstar_async.server.readiness import DEFAULT_STALL_SECONDS
 from mstar_async.server.served import ServedModels
 
+if TYPE_CHECKING:
+    from mstar_async.runtime import Runtime
+
 
 @dataclass
 class ServerState:
-    """The served models (filled while the app starts), the server's metrics, and how long
-    steps may wait without a forward before ``/health/ready`` says 503."""
+    """The served models (filled while the app starts), the server's metrics, how long
+    steps may wait without a forward before ``/health/ready`` says 503, and the ``silero-vad``
+    runtime realtime sessions share (None until opened, or where it cannot be)."""
 
     models: ServedModels = field(default_factory=ServedModels)
     metrics: ServerMetrics = field(init=False)
     ready: bool = False
     stall_after_s: float = DEFAULT_STALL_SECONDS
+    vad: Runtime | None = None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.models)

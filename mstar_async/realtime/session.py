@@ -1,0 +1,471 @@
+"""One realtime session: client events in, server events out, over one served model.
+
+The session keeps the conversation, the input audio buffer (16 kHz, since the last commit or
+clear) and the settings. Appended audio is resampled as it arrives and, while server VAD is
+on, streamed into the ``silero-vad`` model (one long request per session, batched with every
+other session's frames); its probabilities drive the turn detector. At speech start a playing
+response is cancelled (barge-in) when ``interrupt_response`` is on; at speech stop the buffer
+is committed as a user message and, with ``create_response``, a response starts.
+
+At most one response runs at a time. A response is one request of the model's program over the
+conversation; cancelling it (``response.cancel``, barge-in, the client leaving) closes that
+request, which frees its KV at once. Every refused client event is answered with an ``error``
+event and the session goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+from anyio.abc import TaskGroup
+
+from mstar_async.errors import MstarError
+from mstar_async.logs import get_logger
+from mstar_async.realtime.config import SessionConfig, max_tokens
+from mstar_async.realtime.conversation import Conversation, Message, parse_item
+from mstar_async.realtime.events import EventNames, RealtimeError, new_id
+from mstar_async.realtime.resample import PcmResampler
+from mstar_async.realtime.response import ResponseRun, Spoken
+from mstar_async.realtime.turns import SpeechStarted, SpeechStopped, TurnDetector
+from mstar_async.realtime.vad import FRAME, SAMPLE_RATE
+from mstar_async.runtime import Runtime
+
+log = get_logger("mstar_async.realtime")
+
+#: Uncommitted input audio a session may hold (16 kHz samples): two minutes.
+MAX_BUFFER_SAMPLES = 120 * SAMPLE_RATE
+#: One ``input_audio_buffer.append``'s decoded audio: 15 MiB, as the API allows.
+MAX_APPEND_BYTES = 15 * 1024 * 1024
+#: The least audio a commit takes: 100 ms.
+MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10
+#: Pieces of audio the VAD may lag behind the client before appends wait (~10 s at 20 ms).
+VAD_BACKLOG = 512
+_FRAME_MS = FRAME * 1000 / SAMPLE_RATE
+
+Send = Callable[[dict[str, Any] | None], Awaitable[None]]
+#: Starts one response request: (conversation messages, response settings) -> model outputs.
+Respond = Callable[[list[dict[str, str]], SessionConfig], Any]
+
+
+class RealtimeSession:
+    """Serves one websocket's session; ``handle`` each client event (a decoded JSON object).
+
+    ``respond(messages, config)`` is an async context manager factory yielding the model's
+    outputs and, after, its usage (see ``server.realtime``); ``vad`` the runtime of the
+    ``silero-vad`` model, or None when server VAD is not available.
+    """
+
+    def __init__(
+        self,
+        send: Send,
+        respond: Respond,
+        *,
+        model: str,
+        model_rate: int,
+        vad: Runtime | None,
+        beta: bool,
+        config: SessionConfig,
+    ) -> None:
+        self.id = new_id("sess")
+        self.send = send
+        self.respond = respond
+        self.model = model
+        self.model_rate = model_rate
+        self.vad = vad
+        self.names = EventNames(beta)
+        self.config = config if vad is not None else replace(config, turn_detection=None)
+        self.conversation = Conversation()
+        self.spoken: dict[str, Spoken] = {}
+        self.resampler = PcmResampler()
+        self.buffer: list[np.ndarray] = []
+        self.buffered = 0  # samples in ``buffer``
+        self.buffer_start = 0  # session samples before the buffer's first
+        self.pending_item: str | None = None  # the user item a detected turn will commit
+        self.turns = (
+            None
+            if self.config.turn_detection is None
+            else TurnDetector(self.config.turn_detection, _FRAME_MS)
+        )
+        self.response: ResponseRun | None = None
+        self._response_scope: anyio.CancelScope | None = None
+        self._cancel_reason = "client_cancelled"
+        self._vad_in: Any = None
+        self._tg: TaskGroup | None = None
+
+    def event(self, name: str, /, **fields: Any) -> dict[str, Any] | None:
+        """A server event in this session's dialect."""
+        return self.names.event(name, **fields)
+
+    # --- running ---------------------------------------------------------------------------
+
+    async def run(self, events: AsyncIterator[Any]) -> None:
+        """Serve ``events`` (decoded client events) until they end; then stop what runs.
+        Cancel-safe: a response in flight is closed and its request released."""
+        await self.send(self.event("session.created", session=self._session_json()))
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                async for event in events:
+                    await self.handle(event)
+                tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+            if self._vad_in is not None:
+                self._vad_in.close()
+
+    async def handle(self, event: Any) -> None:
+        """Act on one client event; a refused one becomes an ``error`` event."""
+        event_id = event.get("event_id") if isinstance(event, dict) else None
+        try:
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise RealtimeError(
+                    "a client event is a JSON object with a string 'type'", param="type"
+                )
+            handler = _HANDLERS.get(event["type"])
+            if handler is None:
+                raise RealtimeError(
+                    f"unknown event type {event['type']!r}; see the Realtime API's client events",
+                    code="unknown_event",
+                    param="type",
+                )
+            await handler(self, event)
+        except RealtimeError as refused:
+            refused.event_id = refused.event_id or (event_id if isinstance(event_id, str) else None)
+            await self.send(self.event("error", error=refused.body()))
+
+    # --- session -----------------------------------------------------------------------------
+
+    def _session_json(self) -> dict[str, Any]:
+        return self.config.as_json(beta=self.names.beta, session_id=self.id, model=self.model)
+
+    async def _update(self, event: dict[str, Any]) -> None:
+        config = self.config.update(event.get("session"))
+        if config.turn_detection is not None and self.vad is None:
+            raise RealtimeError(
+                "server VAD is not available on this server (install silero-vad); set "
+                "turn_detection to null and commit the input audio buffer yourself",
+                param="session.turn_detection",
+                code="unsupported_value",
+            )
+        self.config = config
+        if config.turn_detection is None:
+            self.turns = None
+        elif self.turns is None or self.turns.settings != config.turn_detection:
+            elapsed = self.turns.elapsed_ms if self.turns is not None else None
+            self.turns = TurnDetector(config.turn_detection, _FRAME_MS)
+            if elapsed:
+                self.turns._elapsed_ms = float(elapsed)
+        await self.send(self.event("session.updated", session=self._session_json()))
+
+    # --- input audio ---------------------------------------------------------------------------
+
+    async def _append(self, event: dict[str, Any]) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str) or len(audio) > MAX_APPEND_BYTES * 4 // 3 + 4:
+            raise RealtimeError(
+                f"'audio' must be base64 pcm16 of at most {MAX_APPEND_BYTES} bytes", param="audio"
+            )
+        try:
+            pcm = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeError("'audio' is not valid base64", param="audio") from None
+        samples = self.resampler.push(pcm)
+        if self.buffered + samples.size > MAX_BUFFER_SAMPLES:
+            raise RealtimeError(
+                f"the input audio buffer holds {MAX_BUFFER_SAMPLES // SAMPLE_RATE} s at most; "
+                "commit or clear it",
+                code="input_audio_buffer_full",
+                param="audio",
+            )
+        if samples.size:
+            self.buffer.append(samples)
+            self.buffered += samples.size
+            if self.turns is not None:
+                await self._to_vad(samples)
+
+    async def _to_vad(self, samples: np.ndarray) -> None:
+        if self._vad_in is None:
+            assert self._tg is not None and self.vad is not None
+            send, receive = anyio.create_memory_object_stream[torch.Tensor](VAD_BACKLOG)
+            self._vad_in = send
+            self._tg.start_soon(self._listen, self.vad, receive)
+        await self._vad_in.send(torch.from_numpy(samples))
+
+    async def _listen(self, vad: Runtime, receive: Any) -> None:
+        async def audio() -> AsyncIterator[torch.Tensor]:
+            async with receive:
+                async for piece in receive:
+                    yield piece
+
+        try:
+            async with vad.generate(audio=audio(), request_id=f"{self.id}-vad") as probabilities:
+                async for probability in probabilities:
+                    if self.turns is None:
+                        continue
+                    turn = self.turns.frame(probability)
+                    if isinstance(turn, SpeechStarted):
+                        await self._speech_started(turn)
+                    elif isinstance(turn, SpeechStopped):
+                        await self._speech_stopped(turn)
+        except MstarError as exc:  # the VAD failed: the session goes on with manual commits
+            log.error("realtime.vad_failed", session=self.id, error=repr(exc))
+            self.turns = None
+            failed = RealtimeError(
+                f"server VAD stopped ({exc}); commit the input audio buffer yourself",
+                code="vad_failed",
+                kind="server_error",
+            )
+            await self.send(self.event("error", error=failed.body()))
+
+    async def _speech_started(self, turn: SpeechStarted) -> None:
+        self.pending_item = new_id("item")
+        await self.send(
+            self.event(
+                "input_audio_buffer.speech_started",
+                audio_start_ms=turn.audio_start_ms,
+                item_id=self.pending_item,
+            )
+        )
+        detection = self.config.turn_detection
+        if self.response is not None and detection is not None and detection.interrupt_response:
+            self._cancel_response("turn_detected")
+
+    async def _speech_stopped(self, turn: SpeechStopped) -> None:
+        item_id = self.pending_item or new_id("item")
+        self.pending_item = None
+        await self.send(
+            self.event(
+                "input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_end_ms, item_id=item_id
+            )
+        )
+        end = turn.audio_end_ms * SAMPLE_RATE // 1000 - self.buffer_start
+        if end < MIN_COMMIT_SAMPLES:
+            return  # a buffer cleared mid-turn: nothing of the turn is left
+        await self._commit(item_id, min(end, self.buffered))
+        detection = self.config.turn_detection
+        if detection is not None and detection.create_response and self.response is None:
+            await self._create_response({})
+
+    async def _commit_event(self, event: dict[str, Any]) -> None:
+        if self.buffered < MIN_COMMIT_SAMPLES:
+            raise RealtimeError(
+                f"buffer too small: it holds {self.buffered * 1000 // SAMPLE_RATE} ms of audio, "
+                "a commit needs at least 100 ms",
+                code="input_audio_buffer_commit_empty",
+            )
+        await self._commit(self.pending_item or new_id("item"), self.buffered)
+        self.pending_item = None
+
+    async def _commit(self, item_id: str, samples: int) -> None:
+        audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
+        self._take_buffer(samples, audio)
+        message = Message("user", audio=audio[:samples], id=item_id)
+        previous = self.conversation.add(message)
+        await self.send(
+            self.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        )
+        await self.send(
+            self.event(
+                "conversation.item.added",
+                previous_item_id=previous,
+                item=message.as_json(beta=self.names.beta),
+            )
+        )
+        await self.send(
+            self.event(
+                "conversation.item.done",
+                previous_item_id=previous,
+                item=message.as_json(beta=self.names.beta),
+            )
+        )
+
+    def _take_buffer(self, samples: int, audio: np.ndarray | None = None) -> None:
+        if audio is None:
+            audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
+        rest = audio[samples:]
+        self.buffer = [rest] if rest.size else []
+        self.buffered = int(rest.size)
+        self.buffer_start += samples
+
+    async def _clear(self, event: dict[str, Any]) -> None:
+        self._take_buffer(self.buffered)
+        if self.turns is not None:
+            self.turns.reset()
+        self.pending_item = None
+        await self.send(self.event("input_audio_buffer.cleared"))
+
+    # --- conversation --------------------------------------------------------------------------
+
+    async def _item_create(self, event: dict[str, Any]) -> None:
+        item = parse_item(event.get("item"))
+        previous = event.get("previous_item_id")
+        if previous is not None and not isinstance(previous, str):
+            raise RealtimeError("previous_item_id must be a string", param="previous_item_id")
+        before = self.conversation.add(item, previous)
+        body = item.as_json(beta=self.names.beta)
+        await self.send(self.event("conversation.item.added", previous_item_id=before, item=body))
+        await self.send(self.event("conversation.item.done", previous_item_id=before, item=body))
+
+    async def _item_delete(self, event: dict[str, Any]) -> None:
+        item_id = _string(event, "item_id")
+        self.conversation.delete(item_id)
+        self.spoken.pop(item_id, None)
+        await self.send(self.event("conversation.item.deleted", item_id=item_id))
+
+    async def _item_truncate(self, event: dict[str, Any]) -> None:
+        item_id = _string(event, "item_id")
+        end_ms = event.get("audio_end_ms")
+        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+            raise RealtimeError("audio_end_ms must be an integer >= 0", param="audio_end_ms")
+        item = self.conversation.items[self.conversation.index(item_id)]
+        if not (isinstance(item, Message) and item.role == "assistant" and item.spoken):
+            raise RealtimeError(
+                "only an assistant message with audio can be truncated", param="item_id"
+            )
+        if end_ms > item.audio_ms:
+            raise RealtimeError(
+                f"audio_end_ms {end_ms} is past the item's {item.audio_ms} ms of audio",
+                param="audio_end_ms",
+            )
+        if self.response is not None and self.response.message.id == item_id:
+            self._cancel_response("client_cancelled")
+        spoken = self.spoken.get(item_id)
+        item.text = item.text[: spoken.text_heard(end_ms)] if spoken is not None else ""
+        item.audio_ms = end_ms
+        await self.send(
+            self.event(
+                "conversation.item.truncated",
+                item_id=item_id,
+                content_index=event.get("content_index", 0),
+                audio_end_ms=end_ms,
+            )
+        )
+
+    # --- responses -----------------------------------------------------------------------------
+
+    async def _response_create(self, event: dict[str, Any]) -> None:
+        await self._create_response(event.get("response") or {})
+
+    async def _create_response(self, overrides: Any) -> None:
+        if self.response is not None:
+            raise RealtimeError(
+                f"the conversation already has an active response {self.response.id}; "
+                "wait for response.done or send response.cancel",
+                code="conversation_already_has_active_response",
+            )
+        config = _response_config(self.config, overrides)
+        messages = self.conversation.messages(_system(config))
+        run = ResponseRun(self.names, config, self.send, self.model_rate)
+        self.response = run
+        self._cancel_reason = "client_cancelled"
+        scope = anyio.CancelScope()
+        self._response_scope = scope
+        await run.start()
+        assert self._tg is not None
+        self._tg.start_soon(self._run_response, run, messages, config, scope)
+
+    async def _run_response(
+        self,
+        run: ResponseRun,
+        messages: list[dict[str, str]],
+        config: SessionConfig,
+        scope: anyio.CancelScope,
+    ) -> None:
+        status, reason, usage = "completed", None, {}
+        previous = self.conversation.last_id
+        try:
+            with scope:
+                async with self.respond(messages, config) as reply:
+                    async for output in reply.outputs():
+                        await run.output(output, previous)
+                    usage = reply.usage()
+            if scope.cancelled_caught:
+                status, reason = "cancelled", self._cancel_reason
+        except RealtimeError as refused:
+            status, reason = "failed", refused.code
+            await self.send(self.event("error", error=refused.body()))
+        finally:
+            with anyio.CancelScope(shield=True):
+                for item in run.items:
+                    self.conversation.add(item)
+                if run.message.spoken:
+                    self.spoken[run.message.id] = run.spoken
+                self.response = None
+                self._response_scope = None
+                await run.finish(status, reason, usage)
+
+    def _cancel_response(self, reason: str) -> None:
+        if self._response_scope is not None:
+            self._cancel_reason = reason
+            self._response_scope.cancel()
+
+    async def _response_cancel(self, event: dict[str, Any]) -> None:
+        if self.response is None:
+            raise RealtimeError(
+                "there is no active response to cancel", code="response_cancel_not_active"
+            )
+        self._cancel_response("client_cancelled")
+
+
+def _string(event: dict[str, Any], name: str) -> str:
+    value = event.get(name)
+    if not isinstance(value, str):
+        raise RealtimeError(f"'{name}' must be a string", param=name)
+    return value
+
+
+def _response_config(config: SessionConfig, overrides: Any) -> SessionConfig:
+    if not isinstance(overrides, dict):
+        raise RealtimeError("'response' must be an object", param="response")
+    changes = {
+        k: v
+        for k, v in overrides.items()
+        if k
+        in (
+            "instructions",
+            "output_modalities",
+            "modalities",
+            "tools",
+            "tool_choice",
+            "temperature",
+        )
+    }
+    updated = config.update(changes)
+    for name in ("max_output_tokens", "max_response_output_tokens"):
+        if name in overrides:
+            updated = replace(updated, max_output_tokens=max_tokens(overrides[name], name))
+    return updated
+
+
+def _system(config: SessionConfig) -> str:
+    """The instructions, with the tools described where the session declares any."""
+    if not config.tools or config.tool_choice == "none":
+        return config.instructions
+    signatures = "\n".join(json.dumps(tool) for tool in config.tools)
+    return (
+        f"{config.instructions}\n\nThese functions are available:\n"
+        f"<tools>\n{signatures}\n</tools>\n"
+        "To call one, write its name and JSON arguments between tags, on their own lines:\n"
+        '<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>'
+    ).strip()
+
+
+_HANDLERS: dict[str, Callable[[RealtimeSession, dict[str, Any]], Awaitable[None]]] = {
+    "session.update": RealtimeSession._update,
+    "input_audio_buffer.append": RealtimeSession._append,
+    "input_audio_buffer.commit": RealtimeSession._commit_event,
+    "input_audio_buffer.clear": RealtimeSession._clear,
+    "conversation.item.create": RealtimeSession._item_create,
+    "conversation.item.delete": RealtimeSession._item_delete,
+    "conversation.item.truncate": RealtimeSession._item_truncate,
+    "response.create": RealtimeSession._response_create,
+    "response.cancel": RealtimeSession._response_cancel,
+}

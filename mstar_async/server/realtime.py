@@ -1,0 +1,178 @@
+"""Websocket ``/v1/realtime?model=NAME``: the OpenAI Realtime API over a served model that reads
+chat messages (qwen3-omni: text and speech out; a text model: text out).
+
+Events are JSON text frames, as the API defines them (``mstar_async.realtime``); a client that
+sends ``OpenAI-Beta: realtime=v1`` gets the beta event names. Each response is one request of
+the model, admitted like any other (a model at its in-flight bound answers the response with
+an error event, not a closed socket). Server VAD runs on the ``silero-vad`` model the server
+opens beside the served ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import anyio
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from mstar_async.logs import get_logger
+from mstar_async.realtime.config import SessionConfig
+from mstar_async.realtime.events import RealtimeError
+from mstar_async.realtime.session import RealtimeSession
+from mstar_async.server.errors import APIError
+from mstar_async.server.served import ServedModel
+from mstar_async.server.speech_models import voice_inputs
+from mstar_async.server.state import ServerState, server_state
+from mstar_async.server.tracked import TrackedRequest
+
+ROUTE = "/v1/realtime"
+POLICY_VIOLATION = 1008
+#: The largest client event frame (an append of 15 MiB of audio is ~20 MiB of base64).
+MAX_EVENT_BYTES = 21 * 1024 * 1024
+
+log = get_logger("mstar_async.server.realtime")
+
+
+class _Reply:
+    """One response's request: its outputs, then its usage."""
+
+    def __init__(self, tracked: TrackedRequest) -> None:
+        self.tracked = tracked
+
+    def outputs(self) -> AsyncIterator[Any]:
+        return self.tracked.outputs()
+
+    def usage(self) -> dict[str, int]:
+        metrics = self.tracked.stream.metrics
+        prompt, completion = metrics.prompt_tokens or 0, metrics.completion_tokens or 0
+        return {
+            "input_tokens": prompt,
+            "output_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+def _responder(state: ServerState, served: ServedModel) -> Any:
+    @asynccontextmanager
+    async def respond(
+        messages: list[dict[str, str]], config: SessionConfig
+    ) -> AsyncIterator[_Reply]:
+        inputs: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens}
+        if "temperature" in served.inputs:
+            inputs["temperature"] = config.temperature
+        if "speak" in served.inputs:
+            inputs["speak"] = config.speaks
+        try:
+            if config.speaks:
+                inputs.update(voice_inputs(served, config.voice))
+            tracked = await TrackedRequest.start(state, served, ROUTE, inputs, prime=False)
+        except APIError as refused:
+            code = "rate_limit_exceeded" if refused.status == 429 else "invalid_value"
+            raise RealtimeError(refused.message, code=code, param=refused.param) from None
+        try:
+            yield _Reply(tracked)
+        except APIError as failed:
+            raise RealtimeError(failed.message, code="server_error", kind="server_error") from None
+        finally:
+            await tracked.close()
+
+    return respond
+
+
+def _check_model(served: ServedModel) -> int:
+    """The rate of the model's audio (0: it makes none).
+
+    Raises:
+        APIError: 400 when the model's program takes no chat messages.
+    """
+    if "messages" not in served.inputs:
+        raise APIError(
+            400,
+            f"model {served.name!r} takes no chat messages, so it cannot hold a realtime "
+            "conversation; serve qwen3-omni or a chat model",
+            param="model",
+        )
+    return int(served.runtime.model.info.get("sample_rate") or 0)
+
+
+async def realtime(ws: WebSocket) -> None:
+    """Serve one realtime session (see the module docstring). Leaving closes every request."""
+    protocols = ws.scope.get("subprotocols") or []
+    await ws.accept(subprotocol="realtime" if "realtime" in protocols else None)
+    state = server_state(ws)
+    beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+    try:
+        name = ws.query_params.get("model")
+        if not name:
+            raise APIError(400, "name the model: /v1/realtime?model=NAME", param="model")
+        served = state.models.get_or_404(name)
+        rate = _check_model(served)
+    except APIError as refused:
+        await ws.send_json(
+            {"type": "error", "event_id": "event_0", "error": {**refused.body()["error"]}}
+        )
+        await ws.close(POLICY_VIOLATION)
+        return
+    lock = anyio.Lock()
+    closed = False
+
+    async def send(event: dict[str, Any] | None) -> None:
+        nonlocal closed
+        if event is None or closed:
+            return
+        try:
+            async with lock:
+                await ws.send_text(json.dumps(event))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            closed = True  # the client left; the session is being torn down
+
+    config = SessionConfig(modalities=("text", "audio") if rate else ("text",))
+    session = RealtimeSession(
+        send,
+        _responder(state, served),
+        model=served.name,
+        model_rate=rate or 24_000,
+        vad=state.vad,
+        beta=beta,
+        config=config,
+    )
+    log.info("realtime.start", session=session.id, model=served.name, beta=beta)
+    try:
+        await session.run(_events(ws, send, session))
+    finally:
+        closed = True
+        log.info("realtime.end", session=session.id)
+    with suppress(RuntimeError, WebSocketDisconnect):  # the client closed first
+        await ws.close()
+
+
+async def _events(ws: WebSocket, send: Any, session: RealtimeSession) -> AsyncIterator[Any]:
+    """The client's events, decoded; a frame that is not a JSON object is answered with an
+    error event and skipped. Ends when the client disconnects."""
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        text = message.get("text")
+        if not isinstance(text, str):
+            refused = RealtimeError("send events as JSON text frames", param="type")
+        elif len(text) > MAX_EVENT_BYTES:
+            refused = RealtimeError(
+                f"an event may be at most {MAX_EVENT_BYTES} bytes", code="event_too_large"
+            )
+        else:
+            try:
+                yield json.loads(text)
+                continue
+            except ValueError as exc:
+                refused = RealtimeError(f"the event is not valid JSON: {exc}", code="invalid_json")
+        await send(session.event("error", error=refused.body()))
+
+
+def routes() -> list[BaseRoute]:
+    """The realtime websocket route."""
+    return [WebSocketRoute(ROUTE, realtime)]

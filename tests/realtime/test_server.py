@@ -1,0 +1,337 @@
+"""``/v1/realtime`` through the official ``openai`` realtime client (and a raw websocket for the
+beta dialect) against a live server of the tiny qwen3-omni: spoken replies, server VAD on
+spoken fixtures, barge-in, truncation, and an error event for every bad client event."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import websockets
+from openai import AsyncOpenAI
+from starlette.applications import Starlette
+
+from mstar_async.models import build_model
+from mstar_async.server.app import create_app
+from mstar_async.server.served import ModelSpec
+from tests.realtime.audio import CLIENT_RATE, pcm16, sentence, with_silence
+from tests.server.live import live_server
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(120),
+    pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"]),
+]
+
+TEXT_TURN = {
+    "type": "message",
+    "role": "user",
+    "content": [{"type": "input_text", "text": "Tell me a story"}],
+}
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+PIECE = CLIENT_RATE // 50  # 20 ms of client audio per append
+
+
+@dataclass
+class Live:
+    url: str
+    app: Starlette
+
+    def kv_blocks(self) -> int:
+        return int(self.app.state.server.models["qwen3-omni"].runtime.batching.kv_blocks_in_use)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    app = create_app([ModelSpec(build_model("qwen3-omni"))], max_concurrent=4)
+    with live_server(app) as url:
+        yield Live(url, app)
+
+
+@asynccontextmanager
+async def connect(live: Live) -> AsyncIterator[Any]:
+    client = AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    async with client.realtime.connect(model="qwen3-omni") as conn:
+        created = await conn.recv()
+        assert created.type == "session.created"
+        yield conn
+
+
+async def until(conn: Any, kind: str, seen: list[Any] | None = None) -> Any:
+    """Events up to the first of ``kind`` (kept in ``seen``); that event."""
+    with anyio.fail_after(90):
+        async for event in conn:
+            if seen is not None:
+                seen.append(event)
+            if event.type == kind:
+                return event
+    raise AssertionError(f"the connection ended before {kind}")
+
+
+async def send_audio(conn: Any, audio: np.ndarray) -> None:
+    data = pcm16(audio)
+    step = PIECE * 2
+    for start in range(0, len(data), step):
+        await conn.input_audio_buffer.append(
+            audio=base64.b64encode(data[start : start + step]).decode()
+        )
+
+
+async def test_a_text_turn_gets_a_spoken_reply_with_its_transcript(live: Live) -> None:
+    async with connect(live) as conn:
+        await conn.session.update(session={**MANUAL, "instructions": "Be brief."})
+        await until(conn, "session.updated")
+        await conn.conversation.item.create(item=TEXT_TURN)
+        added = await until(conn, "conversation.item.added")
+        await until(conn, "conversation.item.done")
+        await conn.response.create(response={"max_output_tokens": 16})
+        seen: list[Any] = []
+        done = await until(conn, "response.done", seen)
+    kinds = [e.type for e in seen]
+    audio = b"".join(
+        base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta"
+    )
+    transcript = "".join(
+        e.delta for e in seen if e.type == "response.output_audio_transcript.delta"
+    )
+    assert kinds[0] == "response.created"
+    assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added")
+    assert kinds.index("response.content_part.added") < kinds.index("response.output_audio.delta")
+    assert kinds[-6:-1] == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+    ]
+    assert done.response.status == "completed"
+    (message,) = done.response.output
+    assert message.role == "assistant" and message.content[0].transcript == transcript
+    assert transcript and len(audio) > CLIENT_RATE // 5 and len(audio) % 2 == 0
+    item_added = next(e for e in seen if e.type == "conversation.item.added")
+    assert item_added.previous_item_id == added.item.id
+    assert live.kv_blocks() == 0
+
+
+async def test_the_beta_dialect_gets_the_beta_event_names(live: Live) -> None:
+    url = live.url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
+    headers = {"OpenAI-Beta": "realtime=v1", "Authorization": "Bearer unused"}
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        events = [
+            {"type": "session.update", "session": {"modalities": ["text"], "turn_detection": None}},
+            {"type": "conversation.item.create", "item": TEXT_TURN},
+            {"type": "response.create", "response": {"max_response_output_tokens": 8}},
+        ]
+        for event in events:
+            await ws.send(json.dumps(event))
+        kinds = []
+        with anyio.fail_after(60):
+            while not kinds or kinds[-1] != "response.done":
+                kinds.append(json.loads(await ws.recv())["type"])
+    assert "conversation.item.created" in kinds and "conversation.item.added" not in kinds
+    assert "response.text.delta" in kinds and "response.text.done" in kinds
+    assert not any("output_audio" in k or "output_text" in k for k in kinds)
+
+
+async def test_server_vad_finds_the_spoken_turn_and_commits_it(live: Live) -> None:
+    spoken = sentence("weather")
+    audio = with_silence(spoken, 0.6, 1.0, CLIENT_RATE)
+    async with connect(live) as conn:
+        detection = {"type": "server_vad", "create_response": False, "silence_duration_ms": 500}
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+        )
+        await until(conn, "session.updated")
+        await send_audio(conn, audio)
+        seen: list[Any] = []
+        committed = await until(conn, "input_audio_buffer.committed", seen)
+        item = await until(conn, "conversation.item.added")
+    started = next(e for e in seen if e.type == "input_audio_buffer.speech_started")
+    stopped = next(e for e in seen if e.type == "input_audio_buffer.speech_stopped")
+    speech_end_ms = 1000 * (0.6 + len(spoken) / CLIENT_RATE)
+    assert 0 <= started.audio_start_ms <= 600  # the speech starts at 600 ms, 300 ms padding
+    assert speech_end_ms + 400 <= stopped.audio_end_ms <= speech_end_ms + 900
+    assert started.item_id == stopped.item_id == committed.item_id == item.item.id
+    assert item.item.role == "user" and item.item.content[0].type == "input_audio"
+
+
+async def test_speaking_over_a_reply_cancels_it_and_frees_its_memory(live: Live) -> None:
+    async with connect(live) as conn:
+        detection = {"type": "server_vad", "create_response": False, "interrupt_response": True}
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+        )
+        await until(conn, "session.updated")
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 200})
+        await until(conn, "response.output_audio.delta")
+        await send_audio(conn, with_silence(sentence("stop"), 0.2, 0.0, CLIENT_RATE))
+        await until(conn, "input_audio_buffer.speech_started")
+        heard = time.perf_counter()
+        done = await until(conn, "response.done")
+        cancel_s = time.perf_counter() - heard
+        assert done.response.status == "cancelled"
+        assert done.response.status_details.reason == "turn_detected"
+        with anyio.fail_after(10):
+            while live.kv_blocks():  # noqa: ASYNC110  (the engines' count: no event to wait on)
+                await anyio.sleep(0.01)
+        print(f"barge-in: speech_started to response.done {cancel_s * 1000:.0f} ms")
+        # The session goes on: a new turn gets a reply.
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 4, "output_modalities": ["text"]})
+        assert (await until(conn, "response.done")).response.status == "completed"
+
+
+async def test_truncating_a_reply_cuts_its_text_where_playback_stopped(live: Live) -> None:
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 24})
+        done = await until(conn, "response.done")
+        message = done.response.output[0]
+        full = message.content[0].transcript
+        await conn.conversation.item.truncate(item_id=message.id, content_index=0, audio_end_ms=0)
+        truncated = await until(conn, "conversation.item.truncated")
+        assert truncated.item_id == message.id and truncated.audio_end_ms == 0
+        await conn.conversation.item.truncate(
+            item_id=message.id, content_index=0, audio_end_ms=10**6
+        )
+        error = await until(conn, "error")
+        assert error.error.param == "audio_end_ms"
+    assert full  # the reply said something; nothing of it was heard at 0 ms
+
+
+BAD_EVENTS = [
+    ({"type": "no.such.event"}, "unknown_event", "type"),
+    (
+        {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}}}},
+        },
+        "unsupported_value",
+        "audio.input.format",
+    ),
+    (
+        {
+            "type": "session.update",
+            "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+        },
+        "unsupported_value",
+        "audio.input.turn_detection",
+    ),
+    (
+        {
+            "type": "session.update",
+            "session": {"audio": {"input": {"turn_detection": {"threshold": 2}}}},
+        },
+        "invalid_value",
+        "audio.input.turn_detection.threshold",
+    ),
+    (
+        {"type": "session.update", "session": {"output_modalities": ["video"]}},
+        "invalid_value",
+        "output_modalities",
+    ),
+    (
+        {"type": "session.update", "session": {"max_output_tokens": 0}},
+        "invalid_value",
+        "max_output_tokens",
+    ),
+    ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "invalid_value", "audio"),
+    ({"type": "input_audio_buffer.append"}, "invalid_value", "audio"),
+    ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
+    (
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "robot", "content": []},
+        },
+        "invalid_value",
+        "item.role",
+    ),
+    (
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_image"}]},
+        },
+        "invalid_value",
+        "item.content[0]",
+    ),
+    (
+        {"type": "conversation.item.create", "item": TEXT_TURN, "previous_item_id": "nope"},
+        "item_not_found",
+        "previous_item_id",
+    ),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_not_found", "item_id"),
+    (
+        {"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 0},
+        "item_not_found",
+        "item_id",
+    ),
+    ({"type": "response.cancel"}, "response_cancel_not_active", None),
+    (
+        {"type": "response.create", "response": {"max_output_tokens": "lots"}},
+        "invalid_value",
+        "max_output_tokens",
+    ),
+]
+
+
+async def test_every_bad_event_gets_an_error_event_and_the_session_goes_on(live: Live) -> None:
+    url = live.url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
+    async with websockets.connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        for i, (event, code, param) in enumerate(BAD_EVENTS):
+            await ws.send(json.dumps({**event, "event_id": f"bad{i}"}))
+            with anyio.fail_after(30):
+                reply = json.loads(await ws.recv())
+            assert reply["type"] == "error", (event, reply)
+            assert (reply["error"]["code"], reply["error"]["param"]) == (code, param), event
+            assert reply["error"]["event_id"] == f"bad{i}"
+        await ws.send("{not json")
+        assert json.loads(await ws.recv())["error"]["code"] == "invalid_json"
+        await ws.send(b"\x00binary")
+        assert json.loads(await ws.recv())["type"] == "error"
+        await ws.send(json.dumps({"type": "session.update", "session": MANUAL}))
+        assert json.loads(await ws.recv())["type"] == "session.updated"
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": TEXT_TURN}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "response": {"max_output_tokens": 4, "output_modalities": ["text"]},
+                }
+            )
+        )
+        kinds = []
+        with anyio.fail_after(60):
+            while not kinds or kinds[-1] != "response.done":
+                kinds.append(json.loads(await ws.recv())["type"])
+        assert "response.output_text.delta" in kinds
+
+
+async def test_committed_speech_is_refused_until_the_model_can_hear(live: Live) -> None:
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await send_audio(conn, sentence("weather"))
+        await conn.input_audio_buffer.commit()
+        await until(conn, "input_audio_buffer.committed")
+        await conn.response.create()
+        error = await until(conn, "error")
+        assert error.error.code == "audio_input_unsupported"
+
+
+async def test_an_unknown_model_closes_with_an_error(live: Live) -> None:
+    url = live.url.replace("http", "ws") + "/v1/realtime?model=nope"
+    async with websockets.connect(url) as ws:
+        reply = json.loads(await ws.recv())
+        assert reply["type"] == "error" and reply["error"]["param"] == "model"
+        with pytest.raises(websockets.ConnectionClosed):
+            await ws.recv()
