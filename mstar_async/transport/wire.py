@@ -18,7 +18,9 @@ The conversation (the pool and the worker process run it):
 - conductor -> worker: :class:`Peers` (every rank's worker-to-worker endpoint, sent whenever a
   rank says ``Hello``);
 - worker -> worker, and conductor -> worker: :class:`FetchTensor` (the tensor behind a
-  :class:`~mstar_async.transport.messages.TensorRef`), answered by :class:`TensorReply`.
+  :class:`~mstar_async.transport.messages.TensorRef`), answered by :class:`TensorReply`;
+- worker -> worker: :class:`PeerWalks` (what the segments of walks that span ranks send each
+  other: edge items and values, their credit, finished units), one message per round per peer.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "FetchTensor",
     "Hello",
     "Message",
+    "PeerWalks",
     "Peers",
     "Ping",
     "Pong",
@@ -181,8 +184,9 @@ class StartWalk(_Msg, frozen=True, tag="walk"):
     """Run walk ``walk`` of request ``request_id`` here, loops and all. ``inputs`` and
     ``persisted`` are keyed ``"node.port"``; ``window`` is how many outputs may be in flight
     before the walk waits for :class:`WalkCredit`. With ``ranks`` empty every node of the walk
-    is on this worker; otherwise the walk spans ranks (``ranks``: node -> rank) and this worker
-    runs its segment, the part on its own rank."""
+    is on this worker; otherwise the walk spans ranks (``ranks``: node -> rank), this worker
+    runs its segment, the part on its own rank, and ``peers`` gives the id of the walk's
+    segment on each rank, for the :class:`PeerWalks` the segments send each other."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("inputs", "params", "persisted")
 
@@ -194,26 +198,21 @@ class StartWalk(_Msg, frozen=True, tag="walk"):
     persisted: dict[str, Any] = {}
     window: int = 16
     ranks: dict[str, int] = {}
+    peers: dict[int, int] = {}
 
 
 class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
     """For walks running on one worker: walk id -> outputs the conductor has taken since the
-    last credit (read by the program, or taken in by another rank), the ids of walks to stop,
-    and ``[walk id, unit]`` for each unit of a segmented walk that another rank finished."""
+    last credit (read by the program), and the ids of walks to stop."""
 
     credits: dict[int, int] = {}
     cancel: list[int] = []
-    blocks: list[tuple[int, int]] = []
 
 
 class FeedWalk(_Msg, frozen=True, tag="feed"):
     """Items of walk ``id``'s streamed input ``port`` (``"node.port"``), or its end
     (``end``, with no items). The worker acknowledges a feed once the input has room again
-    (``WalkUpdates.fed``): one feed per input is in flight at a time.
-
-    A segment's edge from another rank is such an input too (``port``: the edge's consumer). For
-    a plain edge one feed carries the final value: ``end`` with ``items`` ``[value]``, or ``[]``
-    when the producer made none."""
+    (``WalkUpdates.fed``): one feed per input is in flight at a time."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("items",)
 
@@ -227,17 +226,34 @@ class WalkUpdates(_Msg, frozen=True, tag="walked"):
     """What the walks on one worker made since its last such message (one per round):
     ``events`` as ``[walk id, port, value, iteration]``, ``ended`` as ``[walk id, persisted]``
     (values left for later walks, keyed ``"node.port"``), and walk id -> the error that ended
-    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again; ``relayed``
-    lists ``[walk id, kind, key, value]``, in order, for what a segment sends other ranks (see
-    ``mstar_async.walks.segment``). A walk's relays come before its end."""
+    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again."""
 
-    __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended", "relayed")
+    __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended")
 
     events: list[Any] = []
     ended: list[Any] = []
     errors: dict[int, ErrorInfo] = {}
     fed: list[tuple[int, str]] = []
-    relayed: list[Any] = []
+
+
+class PeerWalks(_Msg, frozen=True, tag="peerwalks"):
+    """From rank ``rank``'s segments to this worker's, since the last such message, in order:
+
+    - ``feeds``: ``[walk id, port, items, end, from walk]`` for each firing on a streaming edge
+      into segment ``walk id``'s ``port`` (``end``: the edge has closed), or, for a plain edge,
+      its final value (``end`` with ``items`` ``[value]``, or ``[]`` when none was made);
+      each streaming entry is acknowledged once the consumer has room for it, as a credit of 1
+      to ``from walk``, the producing segment;
+    - ``credits``: walk id -> entries this rank's segments took in (credit to the producer);
+    - ``blocks``: ``[walk id, unit]`` for each unit of a walk's segment on ``rank`` that has
+      finished, which the segment ``walk id`` here waits for."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("feeds",)
+
+    rank: int
+    feeds: list[Any] = []
+    credits: dict[int, int] = {}
+    blocks: list[tuple[int, int]] = []
 
 
 class Release(_Msg, frozen=True, tag="release", gc=False):
@@ -291,6 +307,7 @@ Message = (
     | WalkCredit
     | FeedWalk
     | WalkUpdates
+    | PeerWalks
     | Release
     | Shutdown
     | Ping
@@ -309,6 +326,7 @@ _MESSAGE_TYPES = (
     WalkCredit,
     FeedWalk,
     WalkUpdates,
+    PeerWalks,
     Release,
     Shutdown,
     Ping,

@@ -2,7 +2,8 @@
 
 The rank interprets the whole walk with the interpreter of ``run.py`` and runs only its own
 units; reaching another rank's unit, it waits until that unit is reported done. What crosses to
-other ranks leaves through the sink's ``relay``, in order, and the conductor passes it on:
+other ranks leaves through the sink's ``relay``, in order, and goes to those ranks (worker to
+worker: ``mstar_async.worker.peer_traffic``):
 
 - ``ITEMS``: a firing's items on a streaming edge to another rank, one output credit each (the
   credit returns once the consumer's rank has room for them, so a producer is held while the far

@@ -120,7 +120,7 @@ async def serve(config: WorkerConfig) -> None:
             await tg.start(walks.serve)
             if config.parent_pid > 0:
                 tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
-            tg.start_soon(tensors.serve, peer_server)
+            tg.start_soon(tensors.serve, peer_server, walks.from_peer)
             hello = Hello(config.rank, os.getpid(), config.endpoint, sorted(engines), peer_endpoint)
             await link.send(hello)
             log.info("worker.ready", rank=config.rank, engines=sorted(engines))
@@ -150,8 +150,10 @@ async def _serve_messages(
             await link.send(tensors.answer(message))
         elif isinstance(message, Peers):
             tensors.set_peers(message.endpoints)
+            walks.wake()  # what waited for a peer's endpoint can go now
         elif isinstance(message, Ping):
-            await link.send(Pong(message.id, {**tensors.stats(), **_loop_stats(batching)}))
+            stats = {**tensors.stats(), **_loop_stats(batching), **walks.peer_stats()}
+            await link.send(Pong(message.id, stats))
         elif isinstance(message, Shutdown):
             return
 

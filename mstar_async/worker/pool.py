@@ -62,9 +62,6 @@ log = get_logger("mstar_async.worker.pool")
 #: Outputs read before their credit is sent back (see ``_walk_credit``): half the window.
 CREDIT_BATCH = max(1, OUTPUT_WINDOW // 2)
 
-#: Takes what a walk's segment relays to other ranks: ``(kind, key, value)``.
-Relay = Callable[[str, Any, Any], None]
-
 
 class _Waiter:
     __slots__ = ("done", "error", "outputs")
@@ -152,12 +149,10 @@ class WorkerPool:
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
-        self._relays: dict[int, Relay] = {}  # walk id -> who takes what its segment relays
         self._outgoing: list[tuple[int, StartWalk | FeedWalk]] = []
         self._feeds: dict[tuple[int, str], Callable[[], None]] = {}  # called once fed
         self._credits: dict[int, dict[int, int]] = {}
         self._cancels: dict[int, list[int]] = {}
-        self._blocks: dict[int, list[tuple[int, int]]] = {}
         self._awaiting_ready: set[int] = set()
         self._send_wake = asyncio.Event()
         self.bytes_received = 0
@@ -351,11 +346,6 @@ class WorkerPool:
             entry = walks.get(walk_id)
             if entry is not None:
                 entry[1].emit(port, value, iteration)
-        relays = self._relays
-        for walk_id, kind, key, value in message.relayed:  # before the ends they precede
-            relay = relays.get(walk_id)
-            if relay is not None:
-                relay(kind, key, value)
         for walk_id, persisted in message.ended:
             entry = walks.pop(walk_id, None)
             self._walk_gone(walk_id)
@@ -386,13 +376,16 @@ class WorkerPool:
         *,
         window: int = OUTPUT_WINDOW,
         ranks: Mapping[str, int] | None = None,
+        walk_id: int | None = None,
+        peers: Mapping[int, int] | None = None,
     ) -> RemoteWalk:
         """Start walk ``walk`` of ``request_id`` on ``rank``'s worker (every node of it is
         there, or with ``ranks``, node -> rank, the part of it on ``rank``: see
-        ``open_segments``); its outputs and end reach ``sink``. Never raises: a lost worker
-        ends the walk with ``WorkerLost``."""
+        ``open_segments``, which gives each segment its ``walk_id`` from ``reserve_ids`` and
+        the ``peers``, rank -> segment id); its outputs and end reach ``sink``. Never raises:
+        a lost worker ends the walk with ``WorkerLost``."""
         state = self.ranks[rank]
-        walk_id = next(self._ids)
+        walk_id = next(self._ids) if walk_id is None else walk_id
         if state.worker is None or state.worker.returncode is not None:
             why = f": {state.down}" if state.down else ""
             sink.end({}, WorkerLost(f"worker rank {rank} is down{why}"))
@@ -407,10 +400,17 @@ class WorkerPool:
             {str(k): v for k, v in persisted.items()},
             window,
             dict(ranks or {}),
+            dict(peers or {}),
         )
         self._outgoing.append((rank, message))
         self._send_wake.set()
         return RemoteWalk(self, rank, walk_id)
+
+    def reserve_ids(self, count: int) -> list[int]:
+        """``count`` walk ids, in increasing order. A worker takes its walks' starts in id
+        order, so segments started with reserved ids must be opened at once, without awaiting
+        in between (as ``SegmentedWalk.start`` does)."""
+        return [next(self._ids) for _ in range(count)]
 
     def open_segments(
         self,
@@ -452,7 +452,6 @@ class WorkerPool:
 
     def _walk_gone(self, walk_id: int) -> None:
         # Feeds waiting for room in a walk that has ended wait no more.
-        self._relays.pop(walk_id, None)
         for key in [k for k in self._feeds if k[0] == walk_id]:
             self._feeds.pop(key)()
 
@@ -470,11 +469,6 @@ class WorkerPool:
             self._cancels.setdefault(rank, []).append(walk_id)
             self._send_wake.set()
 
-    def _walk_block_done(self, rank: int, walk_id: int, index: int) -> None:
-        if walk_id in self._walks:
-            self._blocks.setdefault(rank, []).append((walk_id, index))
-            self._send_wake.set()
-
     async def _send_walk_traffic(self) -> None:
         # One task sends walk starts, feeds, credit and cancels, in order per rank, so each
         # rank gets at most one credit message per turn of the event loop however many walks
@@ -488,18 +482,20 @@ class WorkerPool:
                 held[rank].append(message)
             credits, self._credits = self._credits, {}
             cancels, self._cancels = self._cancels, {}
-            blocks, self._blocks = self._blocks, {}
-            for rank in sorted(set(credits) | set(cancels) | set(blocks)):
-                held[rank].append(
-                    WalkCredit(credits.get(rank, {}), cancels.get(rank, []), blocks.get(rank, []))
-                )
+            for rank in sorted(set(credits) | set(cancels)):
+                held[rank].append(WalkCredit(credits.get(rank, {}), cancels.get(rank, [])))
             for rank in list(held):
-                state = self.ranks[rank]
-                if not state.ready.is_set():
-                    self._wake_when_ready(state)
-                    continue
-                for waiting in held.pop(rank):
-                    await self._send_walk_message(rank, waiting)
+                queue = held[rank]
+                while queue:
+                    # A segment starts once every rank of its walk is ready: its peers must
+                    # know each other's endpoints before the first item goes worker to worker.
+                    waits_for = _unready(self.ranks, rank, queue[0])
+                    if waits_for is not None:
+                        self._wake_when_ready(waits_for)
+                        break
+                    await self._send_walk_message(rank, queue.pop(0))
+                if not queue:
+                    del held[rank]
 
     def _wake_when_ready(self, state: _Rank) -> None:
         if state.rank in self._awaiting_ready:
@@ -654,6 +650,16 @@ class WorkerPool:
         return out
 
 
+def _unready(ranks: Mapping[int, _Rank], rank: int, message: Message) -> _Rank | None:
+    """The rank that ``message`` for ``rank`` waits for: ``rank`` itself until it is ready,
+    and for a segment's start, every rank of its walk."""
+    involved = message.peers if isinstance(message, StartWalk) and message.peers else (rank,)
+    for each in involved:
+        if not ranks[each].ready.is_set():
+            return ranks[each]
+    return None
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -687,27 +693,6 @@ class RemoteWalk:
         """The streamed input ``port`` has ended."""
         self.end_stream(str(port))
 
-    def push(self, port: str, items: Any, on_fed: Callable[[], None]) -> None:
-        """Send items of the input ``port`` (``"node.port"``: a streamed input, or a segment's
-        streaming edge from another rank); ``on_fed`` is called once the worker has room for
-        more, or the walk has ended. One push per port at a time. Never raises."""
-        self.pool._walk_push(self.rank, self.walk_id, port, items, on_fed)
-
     def end_stream(self, port: str) -> None:
-        """The input ``port`` (as in ``push``) has ended. Never raises."""
+        """The input ``port`` has ended. Never raises."""
         self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, None, True))
-
-    def send_value(self, port: str, items: list[Any]) -> None:
-        """A segment's plain edge from another rank into ``port``: ``[value]``, or ``[]`` when
-        its producer made none. Never raises."""
-        self.pool._walk_send(self.rank, FeedWalk(self.walk_id, port, items, True))
-
-    def block_done(self, index: int) -> None:
-        """Tell the segment that another rank finished its unit ``index``. Never raises."""
-        self.pool._walk_block_done(self.rank, self.walk_id, index)
-
-    def on_relay(self, relay: Relay) -> None:
-        """Hand what the segment relays (``kind, key, value``, in order, before its end) to
-        ``relay``; forgotten when the walk ends. Never raises."""
-        if self.walk_id in self.pool._walks:
-            self.pool._relays[self.walk_id] = relay

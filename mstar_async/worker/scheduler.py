@@ -126,6 +126,11 @@ class _Line:
         a tenth of their mean size)."""
         return self._nn - self._n * self._n > 0.01 * self._n * self._n + 1e-6
 
+    def shift(self, seconds: float) -> None:
+        """Add ``seconds`` to every point's time (the line moves, its slope stays)."""
+        self._t += seconds
+        self._nt += seconds * self._n
+
     def estimate(self) -> tuple[float, float] | None:
         if self.points == 0 or self._n <= 0:
             return None
@@ -138,8 +143,11 @@ class _Line:
 
 class ForwardTimer:
     """One engine's forward times, learnt from its forwards: a decode round's (one-token steps
-    only, a moving average), and what long steps' tokens add to a forward (a line, fixed +
-    per token; in a forward with decodes, over the decode round's time).
+    only, a moving average), and what long steps' tokens add to a forward, as two lines (fixed
+    + per token): one for forwards of long steps alone, one for long steps beside decodes, over
+    the decode round's time. Why two: beside decodes, a decode round carries what any forward
+    costs (reading the weights), and one line cannot fit points that carry that cost and
+    points that do not.
 
     The time a forward may take (``time_limit``) is the bound, except where a decode round
     alone comes near it: then a forward may take a decode round and a quarter, so prompts
@@ -154,26 +162,43 @@ class ForwardTimer:
         self.weight = weight
         #: A forward of one-token steps only, in seconds (None before the first).
         self.decode_s: float | None = None
-        self._line = _Line(weight)
+        self._alone = _Line(weight)
+        self._beside = _Line(weight)
 
     def observe(self, short_steps: int, long_tokens: int, seconds: float) -> None:
         """Add one forward of ``short_steps`` one-token steps and ``long_tokens`` tokens of
         longer steps that took ``seconds``."""
+        d = self.decode_s
         if long_tokens == 0:
             if short_steps:
-                d = self.decode_s
                 self.decode_s = seconds if d is None else d + self.weight * (seconds - d)
+                if d is None:  # the forwards beside decodes seen so far, over this round now
+                    self._beside.shift(-self.decode_s)
             return
-        # Over a decode round's time, with decodes in the forward or not: a decode round is
-        # mostly what any forward costs (reading the weights), and one line cannot fit points
-        # that carry that cost and points that do not.
-        base = self.decode_s if self.decode_s is not None else 0.0
-        self._line.observe(long_tokens, max(0.0, seconds - base))
+        if short_steps:
+            self._beside.observe(long_tokens, max(0.0, seconds - (d or 0.0)))
+        else:
+            self._alone.observe(long_tokens, seconds)
 
-    def estimate(self) -> tuple[float, float] | None:
-        """``(fixed, per_token)`` seconds that long steps' tokens add to a forward, or None
-        before the first forward with any."""
-        return self._line.estimate()
+    def _line(self, decoding: bool) -> _Line:
+        own, other = (self._beside, self._alone) if decoding else (self._alone, self._beside)
+        return own if own.points or not other.points else other
+
+    def estimate(self, decoding: bool = False) -> tuple[float, float] | None:
+        """``(fixed, per_token)`` seconds that long steps' tokens add to a forward with
+        decodes (over the decode round) or without, or None before the first forward with any.
+        Where only the other kind was seen, its slope serves: beside decodes with no fixed
+        part of its own, alone with the decode round's as its fixed part."""
+        line = self._line(decoding)
+        estimate = line.estimate()
+        if estimate is None:
+            return None
+        fixed, per_token = estimate
+        if line is self._alone and decoding:
+            return 0.0, per_token
+        if line is self._beside and not decoding:
+            return fixed + (self.decode_s or 0.0), per_token
+        return fixed, per_token
 
     def time_limit(self, bound_s: float, decoding: bool) -> float:
         """The seconds a forward may take under ``bound_s`` (see the class docstring), with
@@ -194,17 +219,18 @@ class ForwardTimer:
         a fixed cost alone passes the limit, a chunk costs at most that fixed cost again. A
         chunk is never more than half as large again as the last one.
         """
-        estimate = self.estimate()
+        estimate = self.estimate(decoding)
         if estimate is None:
             return None
         fixed, per_token = estimate
-        mean = self._line.mean_tokens
-        probe = max(2, (3 * self._line.last_tokens + 1) // 2)
+        line = self._line(decoding)
+        last = max(self._alone.last_tokens, self._beside.last_tokens)
+        probe = max(2, (3 * last + 1) // 2)
         if per_token <= 0:
             return probe
-        base = self.decode_s if self.decode_s is not None else 0.0
+        base = self.decode_s if decoding and self.decode_s is not None else 0.0
         room = self.time_limit(bound_s, decoding) - base - fixed
-        if self._line.varied:
+        if line.varied:
             # At most half as large again as the last chunk: a slope fitted from a few noisy
             # points can be near zero for a while, and a grant from it hundreds of times big.
             tokens = _fit(room, per_token) if room > 0 else max(1, _fit(fixed, per_token))
@@ -212,6 +238,7 @@ class ForwardTimer:
         # Chunks of one size so far: all their time is charged per token, which cannot tell a
         # fixed cost from a cost per token. Those that fit keep their size; one- or two-token
         # chunks that do not are tried larger.
+        mean = line.mean_tokens
         if mean * per_token <= room * 1.001:
             return max(_fit(room, per_token), int(mean))
         return probe if mean <= 2 else max(0, _fit(room, per_token))

@@ -1,5 +1,6 @@
-"""How a worker's tensors reach other workers: its store served on a ROUTER, peers' fetched over
-DEALER links, and the handles in a step's inputs resolved before the step runs.
+"""How a worker reaches other workers: its store served on a ROUTER, peers' tensors fetched over
+DEALER links, the handles in a step's inputs resolved before the step runs, and the traffic of
+walks that span ranks (``PeerWalks``) sent and taken in over the same sockets.
 
 Each worker binds one peer endpoint (IPC when the conductor is on this host, TCP otherwise) and
 says it in ``Hello``; the conductor sends every worker the map of them (``Peers``) whenever a
@@ -26,6 +27,7 @@ from mstar_async.transport import (
     ErrorInfo,
     FetchTensor,
     Link,
+    PeerWalks,
     Server,
     StepCall,
     StepReply,
@@ -120,6 +122,18 @@ class WorkerTensors:
             "tensors_fetched": self.fetched,
             "tensors_served": self.served,
         }
+
+    def knows(self, rank: int) -> bool:
+        """Whether this worker has been told where ``rank`` listens."""
+        return bool(self._endpoints.get(rank))
+
+    async def send(self, rank: int, message: PeerWalks) -> None:
+        """Send ``message`` to ``rank``'s worker (one-way: nothing answers it).
+
+        Raises:
+            TransportError: the rank's endpoint is unknown, or the link is closed.
+        """
+        await self._peer(rank).link.send(message)
 
     def set_peers(self, endpoints: Mapping[int, str]) -> None:
         """Learn where each rank serves its tensors; links to a peer that moved are closed (a
@@ -219,8 +233,9 @@ class WorkerTensors:
         except TensorNotHeld as exc:
             return TensorReply(fetch.ref_id, fetch.id, error=ErrorInfo.from_exception(exc))
 
-    async def serve(self, server: Server) -> None:
-        """Answer other workers' fetches until cancelled. Cancel-safe."""
+    async def serve(self, server: Server, walks: Callable[[PeerWalks], None]) -> None:
+        """Answer other workers' fetches, and hand their ``PeerWalks`` to ``walks``, until
+        cancelled. Cancel-safe."""
         while True:
             try:
                 peer, message = await server.recv()  # a malformed message is skipped
@@ -231,3 +246,5 @@ class WorkerTensors:
                 continue
             if isinstance(message, FetchTensor):
                 await server.send(peer, self.answer(message))
+            elif isinstance(message, PeerWalks):
+                walks(message)

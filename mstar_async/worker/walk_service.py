@@ -6,10 +6,10 @@ loop lets other tasks run (after a round's forward) and sends everything collect
 message. Credit and cancels arrive as ``WalkCredit``.
 
 A walk that spans ranks runs here as this rank's segment (``SegmentRun``): what it sends other
-ranks goes out with the outputs (``relayed``), and what they send it comes in as ``FeedWalk``
-(edges) and ``WalkCredit.blocks`` (their finished units). A large tensor on a plain edge stays
-in this worker's store and travels as a handle, which the receiving worker fetches from here;
-so does one a walk leaves for later walks of its request.
+ranks, and what they send it, goes worker to worker (``PeerTraffic``), one ``PeerWalks`` per
+peer per round. A large tensor on a plain edge stays in this worker's store and travels as a
+handle, which the receiving worker fetches from here; so does one a walk leaves for later walks
+of its request.
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ from mstar_async.transport import (
     ErrorInfo,
     FeedWalk,
     Link,
+    PeerWalks,
     StartWalk,
     TensorRef,
+    TransportError,
     WalkCredit,
     WalkUpdates,
 )
 from mstar_async.walks.run import WalkRun
 from mstar_async.walks.segment import VALUE, SegmentRun
+from mstar_async.worker.peer_traffic import PeerTraffic, Route
 from mstar_async.worker.tensor_links import WorkerTensors
 from mstar_async.worker.walk_loop import WalkLoop
 
@@ -60,8 +63,7 @@ class _Sink:
     def relay(self, kind: str, key: str | int, value: Any) -> None:
         if kind == VALUE and value:
             value = [self.service.tensors.store.hold(self.request_id, value[0])]
-        self.service.relayed.append([self.walk_id, kind, key, value])
-        self.service.wake()
+        self.service.peers.relay(self.walk_id, kind, key, value)
 
     def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
         # What later walks take stays here when large, as for a plain edge to another rank.
@@ -80,17 +82,27 @@ class WalkService:
         self.tensors = tensors
         self.runs: dict[int, WalkRun] = {}
         self.events: list[Any] = []
-        self.relayed: list[Any] = []
+        self.peers = PeerTraffic(self._deliver, self._later, self.runs.__contains__, self.wake)
         self._ended: list[Any] = []
         self._errors: dict[int, ErrorInfo] = {}
         self._fed: list[tuple[int, str]] = []
         # Walks whose inputs are still being fetched: what arrived for them meanwhile (feeds,
         # cancels, other ranks' finished units), applied in order once they start.
         self._starting: dict[int, list[Callable[[], None]]] = {}
+        # What peers sent walks whose start has not arrived yet (ids above every one begun).
+        self._early: dict[int, list[Callable[[], None]]] = {}
+        self._last_begun = -1
         self._splits: dict[tuple[str, tuple[tuple[str, int], ...]], Segment] = {}
         self._fetches: dict[int, set[anyio.CancelScope]] = {}  # walk id -> its values fetched
         self._wake = asyncio.Event()
         self._tasks: TaskGroup | None = None
+
+    def peer_stats(self) -> dict[str, int]:
+        """Entries this worker's segments sent to other workers and took in from them."""
+        return {
+            "peer_entries_sent": self.peers.sent_entries,
+            "peer_entries_taken": self.peers.taken_entries,
+        }
 
     def wake(self) -> None:
         """Something is waiting in the outbox."""
@@ -99,7 +111,16 @@ class WalkService:
     def begin(self, message: StartWalk) -> None:
         """Note that walk ``message.id`` is starting (call in message order, before
         ``start``), so feeds and cancels that arrive while its inputs are fetched wait."""
-        self._starting[message.id] = []
+        self._starting[message.id] = self._early.pop(message.id, [])
+        self._last_begun = max(self._last_begun, message.id)
+        for walk_id in [w for w in self._early if w < message.id]:
+            # Starts come in id order: this one will never start here; its peers go on.
+            for arrival in self._early.pop(walk_id):
+                arrival()
+        if message.peers:
+            self.peers.routes[message.id] = Route(
+                self.tensors.store.rank, dict(message.ranks), dict(message.peers)
+            )
 
     async def start(self, message: StartWalk) -> None:
         """Start the walk ``message`` names (after ``begin``); a bad walk ends at once with its
@@ -163,17 +184,57 @@ class WalkService:
         return value
 
     def credit(self, message: WalkCredit) -> None:
-        """Return credit to walks, stop those the conductor cancelled, and tell segments which
-        units other ranks finished."""
+        """Return credit to walks and stop those the conductor cancelled."""
         for walk_id, count in message.credits.items():
-            run = self.runs.get(walk_id)
-            if run is not None:
-                run.ack(count)
+            self._credit(walk_id, count)
         for walk_id in message.cancel:
             self._apply(walk_id, lambda run: run.cancel())
-        for walk_id, index in message.blocks:
+        self.loop.kick()
+
+    def _credit(self, walk_id: int, count: int) -> None:
+        run = self.runs.get(walk_id)
+        if run is not None:
+            run.ack(count)
+
+    def from_peer(self, message: PeerWalks) -> None:
+        """What another rank's segments sent this worker's: entries, credit, finished units."""
+        for walk_id, index in self.peers.take(message, self._credit):
             self._apply(walk_id, functools.partial(_block_done, index=index))
         self.loop.kick()
+
+    def _later(self, walk_id: int, arrival: Callable[[], None]) -> bool:
+        starting = self._starting.get(walk_id)
+        if starting is not None:
+            starting.append(arrival)
+            return True
+        if walk_id > self._last_begun:
+            self._early.setdefault(walk_id, []).append(arrival)
+            return True
+        return False
+
+    def _deliver(
+        self,
+        walk_id: int,
+        port: PortRef,
+        items: Any,
+        end: bool,
+        on_room: Callable[[], None] | None,
+    ) -> None:
+        run = self.runs.get(walk_id)
+        if run is None:
+            if on_room is not None:
+                on_room()
+            return
+        try:
+            if isinstance(run, SegmentRun) and run.takes_value(port):
+                self._set_value(walk_id, run, port, items)
+            elif end:
+                run.end_input(port)
+            else:
+                assert on_room is not None
+                run.feed(port, items, on_room)
+        except Exception as exc:  # a bad entry fails its walk, not the worker
+            run.group.cancel(exc)
 
     def _apply(self, walk_id: int, change: Callable[[WalkRun], None]) -> None:
         # To the walk's run, once it has started; nothing when it has ended. A bad change
@@ -191,8 +252,7 @@ class WalkService:
             run.group.cancel(exc)
 
     def feed(self, message: FeedWalk) -> None:
-        """Items (or the end) of a walk's streamed input, or of a segment's edge from another
-        rank; acknowledged once it has room."""
+        """Items (or the end) of a walk's streamed input; acknowledged once it has room."""
         starting = self._starting.get(message.id)
         if starting is not None:
             starting.append(lambda: self.feed(message))
@@ -203,9 +263,7 @@ class WalkService:
             return
         port = PortRef.parse(message.port, role="walk stream")
         try:
-            if isinstance(run, SegmentRun) and run.takes_value(port):
-                self._set_value(message.id, run, port, message.items)
-            elif message.end:
+            if message.end:
                 run.end_input(port)
             else:
                 run.feed(port, message.items, lambda: self._acknowledge(message.id, message.port))
@@ -257,6 +315,7 @@ class WalkService:
     ) -> None:
         """A walk is over: its end goes out with the next message."""
         self.runs.pop(walk_id, None)
+        self.peers.ended(walk_id)
         for scope in self._fetches.pop(walk_id, ()):
             scope.cancel()
         if error is None:
@@ -280,12 +339,16 @@ class WalkService:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not (self.events or self._ended or self._errors or self._fed or self.relayed):
-                continue
-            message = WalkUpdates(self.events, self._ended, self._errors, self._fed, self.relayed)
-            self.events, self._ended, self._errors, self._fed = [], [], {}, []
-            self.relayed = []
-            await self.link.send(message)
+            if self.events or self._ended or self._errors or self._fed:
+                message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
+                self.events, self._ended, self._errors, self._fed = [], [], {}, []
+                await self.link.send(message)
+            rank = self.tensors.store.rank
+            for peer, traffic in self.peers.messages(rank, self.tensors.knows):
+                try:
+                    await self.tensors.send(peer, traffic)
+                except TransportError as exc:  # the peer is gone: the conductor ends its walks
+                    log.warning("walks.peer_unreachable", rank=rank, peer=peer, error=str(exc))
 
 
 def _block_done(run: WalkRun, index: int) -> None:

@@ -74,7 +74,7 @@ async def assert_nothing_left(runtime: Runtime) -> None:
 
     assert await settled(busy) == 0
     assert not runtime.conductor.active
-    assert not pool._walks and not pool._relays and not pool._feeds
+    assert not pool._walks and not pool._feeds
 
 
 async def test_a_split_walk_gives_the_in_process_answers_without_a_step_message() -> None:
@@ -89,9 +89,14 @@ async def test_a_split_walk_gives_the_in_process_answers_without_a_step_message(
         assert pool is not None
         counted = await steps_on(pool, 0)
         assert await collect(runtime, n=41) == expected
-        # Forty-one loop iterations ran on rank 0, and not one step message left the conductor.
+        # Forty-one loop iterations ran on rank 0, and not one step message left the conductor;
+        # the edge's 41 items and its end went from rank 0 to rank 1 directly, and rank 0's
+        # wait for rank 1's unit came from rank 1 directly.
         assert await steps_on(pool, 0) - counted >= 41
         assert pool.steps_sent == 0
+        rank0, rank1 = await pool.worker_stats(0), await pool.worker_stats(1)
+        assert rank0["peer_entries_sent"] >= 42 and rank1["peer_entries_taken"] >= 42
+        assert rank1["peer_entries_sent"] >= 1 and rank0["peer_entries_taken"] >= 1
         # The walk whose loop spans both ranks runs step by step, as before.
         assert await collect(runtime, n=7, walk="bounce") == expected_bounce
         assert pool.steps_sent == 2 * 7
@@ -115,7 +120,7 @@ async def test_a_slow_consumer_holds_the_producer_on_the_other_rank() -> None:
                 produced = await steps_on(pool, 0) - 1  # head's step; read first, so that
                 consumed = await steps_on(pool, 1) * CHUNK  # what is ahead is never overstated
                 ahead = max(ahead, produced - consumed)
-        # Unconsumed items: the producer's output window (items at the conductor or on their
+        # Unconsumed items: the producer's output window (items queued on rank 1 or on their
         # way), what rank 1 took in (its buffer's bound, the chunk in the forward, a partial
         # chunk), and the step that found the window full.
         most = OUTPUT_WINDOW + (BOUND + 1) * CHUNK + 1 + 1
