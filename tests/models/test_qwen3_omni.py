@@ -99,8 +99,9 @@ async def test_streamed_pcm_equals_decoding_all_frames_at_once(tokenizer: ChatTo
     parts, _ = _parts(tokenizer)
     code2wav = parts.code2wav
     # One frame per text token while the text lasts (ignore_eos: max_tokens - 1 after the
-    # prefill's), then the tail until end of speech or max_frames.
-    spoken = min(len(frames), max_tokens - 1)
+    # prefill's) and one for the stream's final chunk, then the tail until end of speech or
+    # max_frames.
+    spoken = min(len(frames), max_tokens)
     assert len(frames) > spoken, "the talker should speak on after the text"
     with torch.inference_mode():
         whole = _windowed(code2wav, frames, spoken)

@@ -110,7 +110,8 @@ def test_edge_tensors(tensor: torch.Tensor) -> None:
 
 
 def test_chunk_and_sampling_params_round_trip() -> None:
-    chunk = Chunk(torch.arange(12, dtype=torch.int16).reshape(6, 2), start=7, context=2, final=True)
+    data = torch.arange(12, dtype=torch.int16).reshape(6, 2)
+    chunk = Chunk(data, start=7, context=2, lookahead=3, final=True)
     params = SamplingParams(
         temperature=0.7, top_k=5, seed=2**64 - 1, stop_token_ids=frozenset({1, 9})
     )
@@ -118,6 +119,7 @@ def test_chunk_and_sampling_params_round_trip() -> None:
     out = round_trip(value)
     assert_same(value, out)
     assert out["chunk"] == chunk and out["params"] == params
+    assert (out["chunk"].lookahead, out["chunk"].final) == (3, True)
 
 
 def test_header_is_small_and_tensors_are_not_in_it() -> None:

@@ -1,4 +1,5 @@
-"""``StreamEdge``: chunks arrive in order, each once; the producer is held at the bound."""
+"""``StreamEdge``: chunks arrive in order, each once, the final one last; the producer is held at
+the bound."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_async.policies import FixedChunkPolicy, SlidingWindowChunkPolicy
+from mstar_async.policies import (
+    Chunk,
+    FixedChunkPolicy,
+    LeftContextChunkPolicy,
+    SlidingWindowChunkPolicy,
+)
 from mstar_async.walks.edge import StreamEdge
 from mstar_async.walks.trampoline import Condition, TaskGroup, Trampoline
 
@@ -18,6 +24,7 @@ policies = st.one_of(
             SlidingWindowChunkPolicy, st.integers(stride, stride + 3), st.just(stride)
         )
     ),
+    st.builds(LeftContextChunkPolicy, st.integers(1, 3), st.integers(0, 3), st.integers(0, 4)),
 )
 
 
@@ -38,6 +45,7 @@ def test_every_item_arrives_once_in_order_and_the_producer_waits_at_the_bound(
     tick = Condition(trampoline)
     pushed: list[int] = []
     got: list[int] = []
+    received: list[Chunk] = []
 
     async def producer() -> None:
         for batch in batches:
@@ -51,7 +59,8 @@ def test_every_item_arrives_once_in_order_and_the_producer_waits_at_the_bound(
             chunk = await edge.receive()
             if chunk is None:
                 return
-            got.extend(chunk.data[chunk.context :])
+            received.append(chunk)
+            got.extend(chunk.new)
 
     group.spawn(producer())
     group.spawn(consumer())
@@ -67,6 +76,9 @@ def test_every_item_arrives_once_in_order_and_the_producer_waits_at_the_bound(
             break
     assert ends == [None]
     assert got == pushed == [item for batch in batches for item in batch]
+    # The stream's one final chunk reaches the consumer last, even when it brings nothing new.
+    assert [c.final for c in received] == [False] * (len(received) - 1) + [True]
+    assert received[-1].end == len(pushed) and received[-1].lookahead == 0
 
 
 def test_abandoning_releases_a_waiting_producer_and_drops_what_was_queued() -> None:

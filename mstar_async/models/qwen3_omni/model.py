@@ -386,7 +386,8 @@ async def _speak(
     async with request.stream("speak", params=params, sampling=sampling) as events:
         async for event in events:
             if event.port == "code2wav.pcm":
-                yield AudioChunk(event.value, SAMPLE_RATE)
+                if event.value.numel():
+                    yield AudioChunk(event.value, SAMPLE_RATE)
             elif event.port == "talker.frame":
                 history = [*history, event.value][-max(left, 1) :]
                 if return_codes:
@@ -411,7 +412,8 @@ async def _speak(
     async with request.stream("tail", params={"max_frames": remaining}, **inputs) as events:
         async for event in events:
             if event.port == "code2wav_tail.pcm":
-                yield AudioChunk(event.value, SAMPLE_RATE)
+                if event.value.numel():
+                    yield AudioChunk(event.value, SAMPLE_RATE)
             elif return_codes:
                 yield LatentOutput(event.value, frames + event.iteration)
 

@@ -214,8 +214,12 @@ def talker_prompt(
 def _text_row(
     talker: Talker, thinker_embed: nn.Embedding, tokens: TalkerTokens, text: Any
 ) -> torch.Tensor:
-    data = text.data if isinstance(text, Chunk) else text
-    token = int(torch.as_tensor(data).reshape(-1)[-1])
+    if not isinstance(text, Chunk):
+        token = int(text)
+    elif len(text.new):
+        token = int(torch.as_tensor(text.new).reshape(-1)[-1])
+    else:  # the stream's final chunk brought no token: the text has ended
+        token = tokens.tts_pad
     if token in tokens.text_eos:
         token = tokens.tts_eos
     out: torch.Tensor = talker.text_projection(thinker_embed.weight[token])
