@@ -306,26 +306,6 @@ class Code2Wav(nn.Module):
             out.append(self.decode_chunk(frames, chunk.context).float())
         return {"pcm": out}
 
-    def decode_after(
-        self, codes: Sequence[Chunk], history: Sequence[torch.Tensor], *, left: int
-    ) -> dict[str, list[torch.Tensor]]:
-        """StatelessEngine op for a stream that continues earlier frames: ``history`` holds the
-        last (up to ``left``) frames before the stream, ``[h, Q]``; a chunk that starts at the
-        stream's first frame borrows from its end, so every window sees ``min(left, frames
-        before it)`` frames of context, as if the two streams were one."""
-        out = []
-        for chunk, before in zip(codes, history, strict=True):
-            if not len(chunk.new):
-                out.append(torch.zeros(0))
-                continue
-            assert isinstance(chunk.data, torch.Tensor)
-            borrow = 0 if chunk.start else min(left - chunk.context, before.shape[0])
-            lend = before[before.shape[0] - borrow :]
-            window = torch.cat([lend.to(chunk.data), chunk.data])
-            context = chunk.context + lend.shape[0]
-            out.append(self.decode_chunk(window, context).float())
-        return {"pcm": out}
-
 
 def chunked_decode(model: Code2Wav, frames: torch.Tensor, chunk: int, left: int) -> torch.Tensor:
     """All-at-once reference: decode ``[n, Q]`` frames in windows of ``chunk`` new frames with
