@@ -1,9 +1,11 @@
 """Chunk policies: how a streaming edge cuts one request's item stream into chunks.
 
 A policy is a small stateful operator, one per request per edge: ``push(items)`` returns the
-chunks that became ready, ``close()`` the tail. Items are a list or a tensor whose dim 0 is the
-item axis. Each ``Chunk`` says where it sits in the stream (``start``) and how many of its
-leading items were delivered before (``context``). Pure, synchronous; no asyncio here.
+chunks that became ready, ``close()`` the tail, ending with the stream's one ``final`` chunk.
+Items are a list or a tensor whose dim 0 is the item axis. Each ``Chunk`` says where it sits in
+the stream (``start``), how many of its leading items were delivered before (``context``) and
+how many trailing items come only to be looked at (``lookahead``). Pure, synchronous; no
+asyncio here.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class ItemBuffer(ABC):
 
     @abstractmethod
     def take(self, start: int, stop: int) -> Items:
-        """A new list / contiguous tensor of stream items ``[start, stop)``, all still retained."""
+        """A new list / contiguous tensor of stream items ``[start, stop)``, all still retained
+        (empty, of the stream's kind, when ``start == stop``)."""
 
     @abstractmethod
     def release_before(self, index: int) -> None:
@@ -179,6 +180,8 @@ class TensorBuffer(ItemBuffer):
         return count
 
     def take(self, start: int, stop: int) -> torch.Tensor:
+        if start >= stop:
+            return torch.empty((0, *self._trailing), dtype=self._dtype, device=self._device)
         parts: list[torch.Tensor] = []
         pos = self._start - self._head  # stream index of _pieces[0][0]
         for piece, count in zip(self._pieces, self._sizes, strict=True):

@@ -9,9 +9,10 @@ class FixedChunkPolicy(ChunkPolicy):
     """Cuts the stream into non-overlapping chunks of exactly ``size`` items, context 0.
 
     A chunk is emitted by the push that completes it; ``close()`` returns the remainder (fewer
-    than ``size`` items) as one final chunk, or ``[]`` if there is none. Retains fewer than
-    ``size`` items between pushes. Pure, synchronous. The constructor raises ``ValueError``
-    unless ``size`` is an int >= 1; ``push``/``close`` raise ``PolicyError`` as in ``ChunkPolicy``.
+    than ``size`` items) as the final chunk, or a final chunk with no items if there is none.
+    Retains fewer than ``size`` items between pushes. Pure, synchronous. The constructor raises
+    ``ValueError`` unless ``size`` is an int >= 1; ``push``/``close`` raise ``PolicyError`` as in
+    ``ChunkPolicy``.
     """
 
     __slots__ = ("_next", "_size")
@@ -34,13 +35,13 @@ class FixedChunkPolicy(ChunkPolicy):
         size, start = self._size, self._next
         spans: list[Span] = []
         while start + size <= n:
-            spans.append((start, start + size, 0))
+            spans.append((start, start + size, 0, 0))
             start += size
         self._next = start
         return spans
 
-    def _tail(self, n: int) -> Span | None:
-        return (self._next, n, 0) if self._next < n else None
+    def _tail(self, n: int) -> list[Span]:
+        return [(self._next, n, 0, 0)] if self._next < n else []
 
     def _keep_from(self, n: int) -> int:
         return self._next

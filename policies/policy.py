@@ -1,8 +1,8 @@
 """``ChunkPolicy``: the push/close contract every chunk policy shares, and argument checks.
 
 A concrete policy only does index arithmetic: which spans ``[start, stop)`` are complete once
-``n`` items have arrived, which span ``close()`` flushes, and the oldest item it may still need.
-Buffering, kind checks, the closed state and building chunks live here, once.
+``n`` items have arrived, which spans ``close()`` flushes, and the oldest item it may still need.
+Buffering, kind checks, the closed state, building chunks and the final chunk live here, once.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from mstar_async.errors import PolicyError
 from .buffer import ItemBuffer, Items, new_buffer
 from .chunk import Chunk
 
-Span: TypeAlias = tuple[int, int, int]
-"""``(start, stop, context)`` of one chunk, in stream indices."""
+Span: TypeAlias = tuple[int, int, int, int]
+"""``(start, stop, context, lookahead)`` of one chunk, in stream indices and item counts."""
 
 
 def check_int(
@@ -48,10 +48,12 @@ class ChunkPolicy(ABC):
 
     Feed it with ``push(items)`` (a list, or a tensor whose dim 0 is the item axis; any count,
     including none) and finish with ``close()``. Each returns the chunks ready at that point,
-    oldest first. For every policy, each chunk's ``data`` equals ``stream[start:end]`` and the
-    ``new`` parts of all chunks, in order, are the whole stream exactly once. A policy retains
-    only the items it may still need, never the whole stream. Edges keep a template and call
-    ``fresh()`` per request. Pure, synchronous; misuse raises ``PolicyError``.
+    oldest first. For every policy, each chunk's ``data`` equals ``stream[start:end]``, the
+    ``new`` parts of all chunks, in order, are the whole stream exactly once, and the last chunk,
+    and only it, is ``final`` (``close()`` returns it even when nothing is left to deliver, so a
+    consumer waiting for the end always sees it). A policy retains only the items it may still
+    need, never the whole stream. Edges keep a template and call ``fresh()`` per request. Pure,
+    synchronous; misuse raises ``PolicyError``.
 
     Pushed tensors are kept by reference until no longer needed: do not modify them in place
     after pushing (push a ``.clone()`` of a reused output buffer).
@@ -76,8 +78,9 @@ class ChunkPolicy(ABC):
         """Spans that became complete now that ``n`` items have arrived; advances the state."""
 
     @abstractmethod
-    def _tail(self, n: int) -> Span | None:
-        """The span ``close()`` flushes after ``n`` items, or None if all were delivered."""
+    def _tail(self, n: int) -> list[Span]:
+        """The spans ``close()`` flushes after ``n`` items, oldest first; the last one's new part
+        ends at ``n`` with no look-ahead. Empty if every item was delivered."""
 
     @abstractmethod
     def _keep_from(self, n: int) -> int:
@@ -109,28 +112,31 @@ class ChunkPolicy(ABC):
             return []
         n = buffer.end
         spans = self._ready(n)
-        chunks = [Chunk(buffer.take(s, e), s, c) for s, e, c in spans] if spans else []
+        chunks = [Chunk(buffer.take(s, e), s, c, a) for s, e, c, a in spans] if spans else []
         buffer.release_before(self._keep_from(n))
         return chunks
 
     def close(self) -> list[Chunk]:
-        """End the stream; return the tail chunk (``final=True``) if any item is undelivered.
+        """End the stream; return the undelivered tail's chunks, the last one ``final=True``.
 
-        Returns ``[]`` when everything was already delivered. Releases all retained items.
-        Pure, synchronous. Raises ``PolicyError`` if the policy is already closed.
+        Always returns at least the final chunk: when every item was already delivered it has
+        no new items and no data (``[]`` if nothing was ever pushed, else an empty slice of the
+        stream's kind, at ``start`` = the stream's length). Releases all retained items. Pure,
+        synchronous. Raises ``PolicyError`` if the policy is already closed.
         """
         if self._closed:
             raise self._closed_error("close")
         self._closed = True
         buffer = self._buffer
         if buffer is None:
-            return []
+            return [Chunk([], 0, final=True)]
         n = buffer.end
-        span = self._tail(n)
-        chunks = []
-        if span is not None:
-            start, stop, context = span
-            chunks.append(Chunk(buffer.take(start, stop), start, context, final=True))
+        spans = self._tail(n) or [(n, n, 0, 0)]
+        last = len(spans) - 1
+        chunks = [
+            Chunk(buffer.take(s, e), s, c, a, final=i == last)
+            for i, (s, e, c, a) in enumerate(spans)
+        ]
         buffer.release_before(n)
         return chunks
 

@@ -9,8 +9,9 @@ class SlidingWindowChunkPolicy(ChunkPolicy):
     """Emits window ``j`` = ``stream[j*stride : j*stride + window]`` as soon as it is complete.
 
     The first chunk has context 0, every later one ``window - stride`` (the overlap with the
-    previous window). ``close()`` returns the last ``min(window, n)`` items as one final chunk if
-    any item is still undelivered, its context counting those already delivered; else ``[]``.
+    previous window). ``close()`` returns the last ``min(window, n)`` items as the final chunk if
+    any item is still undelivered, its context counting those already delivered; else a final
+    chunk with no items.
     Retains at most ``window`` items. Pure, synchronous. The constructor raises ``ValueError``
     unless ``window`` is an int >= 1 and ``stride`` an int in ``[1, window]``; ``push``/``close``
     raise ``PolicyError`` as in ``ChunkPolicy``.
@@ -45,17 +46,17 @@ class SlidingWindowChunkPolicy(ChunkPolicy):
         spans: list[Span] = []
         while start + window <= n:
             # stride <= window, so the previous window reached at least this start.
-            spans.append((start, start + window, self._delivered - start))
+            spans.append((start, start + window, self._delivered - start, 0))
             self._delivered = start + window
             start += stride
         self._next = start
         return spans
 
-    def _tail(self, n: int) -> Span | None:
+    def _tail(self, n: int) -> list[Span]:
         if self._delivered >= n:
-            return None
+            return []
         start = max(0, n - self._window)
-        return (start, n, self._delivered - start)
+        return [(start, n, self._delivered - start, 0)]
 
     def _keep_from(self, n: int) -> int:
         # The next window starts after n - window (it is incomplete), and close() would need

@@ -9,7 +9,8 @@ length: 211 tokens are 30 SNAC frames, 2.56 s of audio. For each concurrency N t
 all at once, to:
 
 - ``streaming``: the runtime (one process): the LM's decode steps batch across requests and
-  every 7 new codes stream a 28-token window to SNAC while the LM keeps going.
+  every frame's 7 codes stream to SNAC, with one frame before and two after as context, while
+  the LM keeps going.
 - ``streaming_split``: the same, with the LM and SNAC on worker processes of their own (a
   placement; the conductor stays in this process): as many compute processes as the pipeline.
 - ``non_streaming`` (baseline a): the same weights in one process, but each request decodes all
@@ -643,7 +644,8 @@ def _aims(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 #: What each system runs, for the report's ``systems``.
 _DESCRIPTIONS = {
     "streaming": "the runtime in one process: LM decode steps batched across requests, every "
-    "7 new codes streaming a 28-token window to SNAC",
+    "frame's 7 codes streaming to SNAC in a window of up to 28 tokens (one frame before, two "
+    "after)",
     "streaming_split": "the same with LM and codec on worker processes of their own",
     "non_streaming": "(a) each request decodes all its codes, then vocodes the whole utterance",
     "pipeline": "(b) an LM stage process and a codec stage process over ZeroMQ; the codec "

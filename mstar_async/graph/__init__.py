@@ -13,6 +13,7 @@ from mstar_async.graph.blocks import (
     NodeRef,
     Parallel,
     Sequential,
+    StreamEnd,
     Walk,
 )
 from mstar_async.graph.limits import ContextLimit, TokenCounter
@@ -37,6 +38,7 @@ __all__ = [
     "PortRef",
     "Program",
     "Sequential",
+    "StreamEnd",
     "TokenCounter",
     "Walk",
     "WalkPlan",

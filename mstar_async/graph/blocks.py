@@ -58,6 +58,13 @@ def _carry_map(
 
 
 @dataclass(frozen=True)
+class StreamEnd:
+    """What a loop's stream port holds in the iterations after its stream's final chunk, in a
+    ``DynamicLoop`` with ``outlives_streams``: the stream has ended and brings nothing more.
+    Instances are equal; one travels between processes as itself."""
+
+
+@dataclass(frozen=True)
 class LoopStep:
     """What a ``DynamicLoop``'s ``until`` sees after each iteration of one request."""
 
@@ -107,7 +114,11 @@ class DynamicLoop:
 
     ``until`` is called after every iteration with a ``LoopStep`` (iteration index, the
     iteration's outputs by ``"node.port"``, the walk's parameters); each request leaves the loop
-    on its own. A loop whose body consumes a stream from outside also ends when that stream ends.
+    on its own. A loop whose body consumes a stream from outside takes one chunk per iteration
+    and, by default, also ends when that stream ends (after its final chunk). With
+    ``outlives_streams`` it goes on instead: in every later iteration the stream's port holds
+    ``StreamEnd()``, and only ``until`` or ``max_iterations`` end the loop (a talker that speaks
+    on after its text).
 
     Raises:
         GraphError: ``max_iterations`` is below 1, or ``until`` is not callable.
@@ -117,6 +128,7 @@ class DynamicLoop:
     until: Callable[[LoopStep], bool]
     max_iterations: int
     carry: Mapping[PortRef, tuple[PortRef, ...]] = field(default_factory=dict)
+    outlives_streams: bool = False
 
     def __init__(
         self,
@@ -125,6 +137,7 @@ class DynamicLoop:
         until: Callable[[LoopStep], bool],
         max_iterations: int,
         carry: Mapping[str, str | Sequence[str]] | None = None,
+        outlives_streams: bool = False,
     ) -> None:
         if not callable(until):
             raise GraphError(f"DynamicLoop until must be callable(LoopStep) -> bool, got {until!r}")
@@ -137,6 +150,7 @@ class DynamicLoop:
         object.__setattr__(self, "until", until)
         object.__setattr__(self, "max_iterations", max_iterations)
         object.__setattr__(self, "carry", _carry_map(carry))
+        object.__setattr__(self, "outlives_streams", bool(outlives_streams))
 
 
 AnyLoop: TypeAlias = Loop | DynamicLoop

@@ -245,13 +245,26 @@ def _input_streams(
     return streams
 
 
+def _check_outliving(walk: Walk, plan: WalkPlan, chains: Mapping[str, tuple[AnyLoop, ...]]) -> None:
+    loops = {loop for chain in chains.values() for loop in chain}
+    for loop in loops:
+        reads = any(e.streaming for e in plan.loop_imports.get(loop, ()))
+        if isinstance(loop, DynamicLoop) and loop.outlives_streams and not reads:
+            names = sorted(set(node_names(loop.body)))
+            raise GraphError(
+                f"walk {walk.name!r}: the DynamicLoop over {names} has outlives_streams=True but "
+                "reads no stream from outside it; drop outlives_streams"
+            )
+
+
 def plan_walk(walk: Walk, graph_nodes: Mapping[str, Node], graph_edges: list[Edge]) -> WalkPlan:
     """Check one walk against the graph and work out its scopes.
 
     Raises:
         GraphError: the walk names no node, an unknown node or one node twice; an edge runs
             backwards in a Sequential or joins Parallel branches; a node takes two streams; a
-            carry or output names a port outside the walk.
+            carry or output names a port outside the walk; a loop that outlives its streams
+            reads none.
     """
     names = node_names(walk.body)
     if not names:
@@ -332,4 +345,5 @@ def plan_walk(walk: Walk, graph_nodes: Mapping[str, Node], graph_edges: list[Edg
         if e.import_loop is not None:
             plan.loop_imports.setdefault(e.import_loop, []).append(e)
     plan.finalize_after = _finalizers(plan)
+    _check_outliving(walk, plan, chains)
     return plan

@@ -99,11 +99,17 @@ class TinyCodec(nn.Module):
         return (0.5 * torch.tanh(self.proj(torch.nn.functional.gelu(x)))).flatten(-2)
 
     def forward(self, codes: list[Chunk]) -> dict[str, list[torch.Tensor]]:
+        """One PCM tensor per chunk: the audio of its new codes (none for a final chunk that
+        brings no new code), decoded with the whole window as context."""
         hop = self.proj.out_features
         pcm = []
         for chunk in codes:
+            if not len(chunk.new):
+                pcm.append(torch.zeros(0))
+                continue
             assert isinstance(chunk.data, torch.Tensor)
-            pcm.append(self.decode_window(chunk.data)[chunk.context * hop :])
+            stop = len(chunk.data) - chunk.lookahead
+            pcm.append(self.decode_window(chunk.data)[chunk.context * hop : stop * hop])
         return {"pcm": pcm}
 
 
@@ -190,7 +196,8 @@ def _program(cfg: DemoConfig) -> Callable[..., AsyncGenerator[Any, None]]:
         await request.run("prefill", tokens=tokenize(text, cfg))
         async with request.stream("speak", params={"max_codes": max_codes}) as speech:
             async for event in speech:
-                yield AudioChunk(event.value, cfg.sample_rate)
+                if event.value.numel():
+                    yield AudioChunk(event.value, cfg.sample_rate)
         if not image:
             return
         noise = torch.randn(cfg.latent, generator=torch.Generator().manual_seed(seed))

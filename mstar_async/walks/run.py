@@ -31,6 +31,7 @@ from mstar_async.graph import (
     Parallel,
     PortRef,
     Sequential,
+    StreamEnd,
     WalkPlan,
 )
 from mstar_async.transport import TensorRef
@@ -155,6 +156,7 @@ class _NodeFacts:
 
 
 _UNKNOWN = object()
+_ENDED = StreamEnd()
 
 
 def _as_items(value: Any) -> Any:
@@ -447,6 +449,7 @@ class WalkRun:
     ) -> None:
         carried: dict[PortRef, Any] = {}
         until = loop.until if isinstance(loop, DynamicLoop) else None
+        outlives = isinstance(loop, DynamicLoop) and loop.outlives_streams
         carries = [(src, tuple(dsts)) for src, dsts in loop.carry.items()]
         body = loop.body
         for iteration in range(self._iterations(loop)):
@@ -454,8 +457,11 @@ class WalkRun:
             for port, stream in streams.items():
                 chunk = await stream.receive()
                 if chunk is None:
-                    return
-                current[port] = chunk
+                    if not outlives:
+                        return
+                    current[port] = _ENDED
+                else:
+                    current[port] = chunk
             inner = Scope(self, loop, scope, current, iteration)
             try:
                 if isinstance(body, NodeRef):

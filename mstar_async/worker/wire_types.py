@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mstar_async.engines.sampling import SamplingParams
+from mstar_async.graph import StreamEnd
 from mstar_async.policies import Chunk
 from mstar_async.transport import register_wire_type
 
@@ -13,4 +14,5 @@ def register_wire_types() -> None:
     Both ends (the conductor's process and each worker) call it before the first message.
     """
     register_wire_type(Chunk, name="mstar.Chunk")
+    register_wire_type(StreamEnd, name="mstar.StreamEnd")
     register_wire_type(SamplingParams, name="mstar.SamplingParams")

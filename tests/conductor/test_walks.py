@@ -12,7 +12,17 @@ import torch
 
 from mstar_async.conductor.conductor import OUTPUT_BUFFER
 from mstar_async.errors import RequestError, WalkInputError
-from mstar_async.graph import DynamicLoop, Edge, Loop, Node, Parallel, Sequential, Walk, stream
+from mstar_async.graph import (
+    DynamicLoop,
+    Edge,
+    Loop,
+    Node,
+    Parallel,
+    Sequential,
+    StreamEnd,
+    Walk,
+    stream,
+)
 from mstar_async.policies import Chunk, FixedChunkPolicy
 from mstar_async.runtime import open_runtime
 from mstar_async.walks import OUTPUT_WINDOW
@@ -189,7 +199,8 @@ async def test_first_chunk_arrives_while_the_producer_loop_still_runs() -> None:
     # window, the request's output buffer, the output the program holds while that buffer is
     # full, the edge's 2 chunks and the chunk being made; far from the whole loop's 200 steps.
     assert steps_at_first_output <= 2 * (OUTPUT_WINDOW + OUTPUT_BUFFER + 1 + 2 + 1) + 1
-    assert len(rest) == 99
+    # 99 more chunks of two, then the stream's final chunk, with no items: 200 ends on a boundary.
+    assert len(rest) == 100 and rest[-1] == 0.0
 
 
 async def test_loop_consuming_a_stream_ends_with_the_stream() -> None:
@@ -213,6 +224,59 @@ async def test_loop_consuming_a_stream_ends_with_the_stream() -> None:
     model = make_model([producer, acc], [walk], program, {"inc": inc, "acc": accumulate}, [edge])
     async with open_runtime(model) as runtime:
         assert await collect(runtime) == [45.0]
+
+
+def _seen(chunk: list[Chunk | StreamEnd]) -> dict[str, Any]:
+    # Per firing: the new items' sum (+100 on the final chunk), or -1 once the stream has ended.
+    return {
+        "seen": [
+            -1.0 if isinstance(c, StreamEnd) else float(sum(c.new)) + 100.0 * c.final for c in chunk
+        ]
+    }
+
+
+def _outliving_model(outlives: bool, iterations: int) -> Any:
+    producer = Node("gen", engine="e", op="inc", inputs=["x"], outputs=["y"])
+    reader = Node("read", engine="e", op="seen", inputs=["chunk"], outputs=["seen"])
+
+    async def program(request: Any, n: int) -> AsyncGenerator[Any, None]:
+        async with request.stream("w", params={"n": n}, x=t(0)) as events:
+            async for event in events:
+                yield event.iteration, event.value
+
+    loop = DynamicLoop(
+        "read",
+        until=lambda s: s.iteration + 1 >= iterations,
+        max_iterations=100,
+        outlives_streams=outlives,
+    )
+    walk = Walk(
+        "w", Sequential(Loop("gen", "n", carry={"gen.y": "gen.x"}), loop), outputs=["read.seen"]
+    )
+    edge = stream("gen.y", "read.chunk", FixedChunkPolicy(2))
+    return make_model([producer, reader], [walk], program, {"inc": inc, "seen": _seen}, [edge])
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        # [1, 2] [3, 4], the final [5], then the ended stream until `until`.
+        (5, [3.0, 7.0, 105.0, -1.0, -1.0, -1.0]),
+        # Ending on a boundary, the final chunk brings nothing new.
+        (4, [3.0, 7.0, 100.0, -1.0, -1.0, -1.0]),
+    ],
+)
+async def test_a_loop_outliving_its_stream_sees_the_final_chunk_then_the_end(
+    n: int, expected: list[float]
+) -> None:
+    async with open_runtime(_outliving_model(True, 6)) as runtime:
+        got = await collect(runtime, n=n)
+    assert got == list(enumerate(expected))
+
+
+async def test_by_default_a_loop_reading_a_stream_ends_after_its_final_chunk() -> None:
+    async with open_runtime(_outliving_model(False, 6)) as runtime:
+        assert await collect(runtime, n=5) == [(0, 3.0), (1, 7.0), (2, 105.0)]
 
 
 async def test_values_persist_across_walks_through_edges() -> None:

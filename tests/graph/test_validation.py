@@ -219,3 +219,16 @@ def test_plan_marks_streams_leaving_a_loop_as_pipelined() -> None:
     assert plan.pipelined[walk.body] == (False, True)  # type: ignore[index]
     (edge,) = plan.edges
     assert edge.lca is None and edge.export_loop is loop and edge.import_loop is None
+
+
+def test_a_loop_outliving_streams_must_read_one() -> None:
+    alone = DynamicLoop("b", until=lambda s: True, max_iterations=4, outlives_streams=True)
+    with pytest.raises(
+        GraphError, match=r"DynamicLoop over \['b'\] has outlives_streams=True but reads no stream"
+    ):
+        make_model([A, B], [Walk("w", Sequential("a", alone))], [Edge("a.y", "b.x")])
+    # Reading a stream from before the loop, it builds.
+    reader = DynamicLoop("b", until=lambda s: True, max_iterations=4, outlives_streams=True)
+    model = make_model([A, B], [Walk("w", Sequential("a", reader))], [stream("a.y", "b.x")])
+    (edge,) = model.plan("w").edges
+    assert edge.import_loop is reader

@@ -28,7 +28,7 @@ from mstar_async.models.orpheus.snac_codec import (
     decode_offline,
 )
 from mstar_async.models.orpheus.text import byte_tokenizer, vocab_of
-from mstar_async.models.orpheus.vocab import OrpheusVocab, parse_frames, prompt_text
+from mstar_async.models.orpheus.vocab import OrpheusVocab, codebooks, parse_frames, prompt_text
 from mstar_async.outputs import AudioChunk
 from mstar_async.policies import Chunk
 from mstar_async.runtime import open_runtime
@@ -82,12 +82,21 @@ def test_window_decoder_emits_only_new_frames_and_skips_other_tokens() -> None:
     decoder = _decoder()
     frame = [VOCAB.code_token(c, p) for p, c in enumerate([1, 2, 3, 4, 5, 6, 7])]
     window = torch.tensor(frame * 4)
-    assert decoder.window_pcm(Chunk(window, 0)).numel() == 4 * SAMPLES_PER_FRAME
-    assert decoder.window_pcm(Chunk(window, 7, context=21)).numel() == SAMPLES_PER_FRAME
-    tail = torch.tensor([*frame[1:], *frame * 3, VOCAB.end_of_speech, 65])
-    assert decoder.window_pcm(Chunk(tail, 1, context=27, final=True)).numel() == 0
-    pcm = decoder.window_pcm(Chunk(window, 7, context=21))
-    assert pcm.abs().max() <= 1.0 and pcm.std() > 0
+    # Upstream's window: one frame before the new one, two after; the new one is the second.
+    middle = decoder.window_pcm(Chunk(window, 7, context=7, lookahead=14))
+    whole = decoder.decode_frames([[1, 2, 3, 4, 5, 6, 7]] * 4, seed=7)
+    assert torch.equal(middle, whole[SAMPLES_PER_FRAME : 2 * SAMPLES_PER_FRAME])
+    # The first frame has nothing before it: frames 0..2, the first one kept.
+    first = decoder.window_pcm(Chunk(window[:21], 0, lookahead=14))
+    assert torch.equal(first, decoder.decode_frames([[1, 2, 3, 4, 5, 6, 7]] * 3, 0)[:2048])
+    # A stray text token and <end_of_speech> complete no frame; neither does a final chunk
+    # whose new tokens are <end_of_speech> alone, or one with no new tokens.
+    ahead = torch.tensor([*frame, *frame, 65, *frame, VOCAB.end_of_speech])
+    assert decoder.window_pcm(Chunk(ahead, 0, context=7, lookahead=9)).numel() == 2048
+    tail = torch.tensor([*frame, VOCAB.end_of_speech])
+    assert decoder.window_pcm(Chunk(tail, 1, context=7, final=True)).numel() == 0
+    assert decoder.window_pcm(Chunk([], 30, final=True)).numel() == 0
+    assert middle.abs().max() <= 1.0 and middle.std() > 0
 
 
 def _request_ids(text: str, voice: str) -> list[int]:
@@ -132,12 +141,51 @@ async def test_streamed_speech_equals_offline_windowed_decode(seed: int, max_tok
     assert {c.sample_rate for c in chunks} == {24_000}
     assert streamed.numel() == offline.numel() == frames * SAMPLES_PER_FRAME
     torch.testing.assert_close(streamed, offline, rtol=0, atol=1e-6)
-    # The first window brings 4 frames, each later one a single frame.
-    assert [c.pcm.numel() // SAMPLES_PER_FRAME for c in chunks] == [4] + [1] * (frames - 4)
+    # One frame per chunk, from the first (after 3 frames of codes) to the last.
+    assert [c.pcm.numel() for c in chunks] == [SAMPLES_PER_FRAME] * frames
     if seed == 1:
         assert tokens[-1] == VOCAB.end_of_speech and len(tokens) == 7 * 7 + 1
     else:
         assert len(tokens) == max_tokens and frames == 6
+
+
+def upstream_frames(tokens: list[int], snac: Any) -> dict[int, torch.Tensor]:
+    """Upstream Orpheus' rule: counting audio codes only, every 7 codes from the 28th on decode
+    the last 28 (4 frames) and keep samples [2048, 4096), the window's second frame. SNAC's noise
+    is drawn as the runtime's decoder draws it, seeded with the window's stream position."""
+    codes = [(i, split[1]) for i, t in enumerate(tokens) if (split := VOCAB.split_code(t))]
+    out: dict[int, torch.Tensor] = {}
+    for count in range(28, len(codes) + 1, 7):
+        window = [code for _, code in codes[count - 28 : count]]
+        frames = [window[k : k + 7] for k in range(0, 28, 7)]
+        with torch.inference_mode(), torch.random.fork_rng():
+            torch.manual_seed(codes[count - 28][0])
+            audio = snac.decode(codebooks(frames)).reshape(-1)
+        out[count // 7 - 3] = audio[2048:4096]
+    return out
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("seed", "max_tokens"), [(1, 400), (0, 45)])
+async def test_streamed_frames_equal_upstream_windows_and_the_ends_are_heard(
+    seed: int, max_tokens: int
+) -> None:
+    model = build_model("orpheus")
+    text = "Hello there, how are you?"
+    tokens = reference_tokens(model, text, max_tokens, seed)
+    frames = len(parse_frames(tokens, VOCAB)[0])
+    async with open_runtime(model) as runtime:
+        chunks = await _speak(runtime, text=text, max_tokens=max_tokens, seed=seed)
+    streamed = torch.cat([c.pcm for c in chunks]).reshape(frames, SAMPLES_PER_FRAME)
+    upstream = upstream_frames(tokens, model.components["snac"]().ops["decode"].snac)
+    # Upstream emits frames 1 .. F-3; each equals the streamed frame, sample for sample.
+    assert sorted(upstream) == list(range(1, frames - 2))
+    for index, pcm in upstream.items():
+        assert torch.equal(streamed[index], pcm), f"frame {index}"
+    # The first frame and the last two, which upstream drops, are heard too, and are sound.
+    for index in (0, frames - 2, frames - 1):
+        assert streamed[index].abs().max() <= 1.0 and streamed[index].std() > 0
 
 
 @pytest.mark.anyio
@@ -148,7 +196,7 @@ async def test_cancelling_mid_speech_frees_the_kv_blocks() -> None:
         with anyio.fail_after(45):
             async with runtime.generate(text="A long story", seed=3, max_tokens=1000) as out:
                 first = await out.__anext__()
-                assert first.pcm.numel() == 4 * SAMPLES_PER_FRAME
+                assert first.pcm.numel() == SAMPLES_PER_FRAME
                 assert engine.blocks_in_use > 0
         assert engine.blocks_in_use == 0
 

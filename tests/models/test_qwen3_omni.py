@@ -76,18 +76,9 @@ async def test_text_streams_while_audio_chunks_arrive() -> None:
     assert all(a.pcm.abs().max() <= 1.0 for a in audio)
 
 
-def _windowed(code2wav: Any, frames: torch.Tensor, spoken: int) -> torch.Tensor:
-    """All frames decoded at once under the runtime's windowing: left-context windows over the
-    frames made with the text, then windows restarting at the tail, each with up to CHUNK
-    earlier frames (of either part) as context."""
-    pieces = [chunked_decode(code2wav, frames[:spoken], CHUNK, CHUNK)]
-    for start in range(spoken, len(frames), CHUNK):
-        context = min(CHUNK, start)
-        pieces.append(code2wav.decode_chunk(frames[start - context : start + CHUNK], context))
-    return torch.cat(pieces)
-
-
-async def test_streamed_pcm_equals_decoding_all_frames_at_once(tokenizer: ChatTokenizer) -> None:
+async def test_streamed_pcm_equals_decoding_all_frames_at_once_on_one_grid(
+    tokenizer: ChatTokenizer,
+) -> None:
     max_tokens = 15
     async with open_runtime(_model()) as runtime:
         out = await _collect(
@@ -98,18 +89,18 @@ async def test_streamed_pcm_equals_decoding_all_frames_at_once(tokenizer: ChatTo
     pcm = torch.cat([o.pcm for o in out if isinstance(o, AudioChunk)])
     parts, _ = _parts(tokenizer)
     code2wav = parts.code2wav
-    # One frame per text token while the text lasts (ignore_eos: max_tokens - 1 after the
-    # prefill's), then the tail until end of speech or max_frames.
-    spoken = min(len(frames), max_tokens - 1)
-    assert len(frames) > spoken, "the talker should speak on after the text"
+    # One frame per text token after the prefill's (ignore_eos: max_tokens - 1), and the talker
+    # speaks on after the text, in the same walk.
+    assert len(frames) > max_tokens - 1, "the talker should speak on after the text"
     with torch.inference_mode():
-        whole = _windowed(code2wav, frames, spoken)
+        whole = chunked_decode(code2wav, frames, CHUNK, CHUNK)
         one = code2wav(frames[:1].T)
+    # One uninterrupted grid of CHUNK-frame windows, wherever the text ended.
     torch.testing.assert_close(pcm, whole, atol=1e-5, rtol=1e-5)
     # Audio length follows the frame count: total_upsample samples per frame, less the fixed
     # tail each causal decode drops (as upstream's chunked decode).
     upsample = code2wav.config.total_upsample
-    chunks = math.ceil(spoken / CHUNK) + math.ceil((len(frames) - spoken) / CHUNK)
+    chunks = math.ceil(len(frames) / CHUNK)
     assert len([o for o in out if isinstance(o, AudioChunk)]) == chunks
     assert pcm.numel() == len(frames) * upsample - (upsample - one.numel()) * chunks
 
@@ -141,9 +132,9 @@ def _reference(
     hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
     code = code0(hidden)
     frames: list[list[int]] = []
-    # One text token per frame (tts_eos for the end of text), then tts_pad: upstream's
-    # trailing text.
-    feed = [tokens.tts_eos if t in tokens.text_eos else t for t in text[1:]]
+    # Upstream's trailing text: the tokens after the first, one per frame, tts_eos in place of
+    # the last, then tts_pad.
+    feed = [*text[1:-1], tokens.tts_eos]
     while len(frames) < max_frames:
         token = feed[len(frames)] if len(frames) < len(feed) else tokens.tts_pad
         cp_rows = [hidden, talker.model.codec_embedding.weight[code]]
@@ -190,7 +181,7 @@ async def test_runtime_matches_a_dense_sequential_reference(tokenizer: ChatToken
         )
     assert "".join(o.text for o in out if isinstance(o, TextDelta)) == tokenizer.decode(text)
     assert frames == want
-    assert max_tokens - 1 < len(frames) <= max_frames  # the tail ran
+    assert max_tokens - 1 < len(frames) <= max_frames  # the talker spoke on after the text
 
 
 async def test_text_only_request_makes_the_same_text_and_no_audio() -> None:
@@ -249,18 +240,15 @@ async def test_cancel_and_finish_free_every_kv_block() -> None:
 def test_graph_nests_the_code_predictor_loop_inside_the_talker_loop() -> None:
     model = _model()
     walks = model.walks
-    assert set(walks) == {"prefill", "text", "voice", "speak", "tail"}
+    assert set(walks) == {"prefill", "text", "voice", "speak"}
     speak = walks["speak"].body
     assert isinstance(speak, Sequential)
     thinker, frames, _ = speak.children
     assert isinstance(thinker, DynamicLoop) and isinstance(frames, DynamicLoop)
+    assert not thinker.outlives_streams and frames.outlives_streams  # speech goes on after text
     assert isinstance(frames.body, Sequential)
     inner = frames.body.children[1]
     assert isinstance(inner, Loop) and inner.iterations == 2  # codebooks 2 and 3 of 4
-    tail = walks["tail"].body
-    assert isinstance(tail, Sequential) and isinstance(tail.children[0], DynamicLoop)
-    assert isinstance(tail.children[0].body, Sequential)
-    assert isinstance(tail.children[0].body.children[1], Loop)
 
 
 async def test_bad_inputs_name_the_problem() -> None:

@@ -34,7 +34,10 @@ sliding_policies = st.integers(1, 12).flatmap(
     lambda w: st.builds(SlidingWindowChunkPolicy, window=st.just(w), stride=st.integers(1, w))
 )
 left_context_policies = st.builds(
-    LeftContextChunkPolicy, chunk=st.integers(1, 10), left_context=st.integers(0, 12)
+    LeftContextChunkPolicy,
+    chunk=st.integers(1, 10),
+    left_context=st.integers(0, 12),
+    lookahead=st.sampled_from([0, 0, 1, 2, 5, 14]),
 )
 POLICY_FAMILIES = {
     "fixed": fixed_policies,
@@ -125,7 +128,7 @@ def expected_count(policy: ChunkPolicy) -> Callable[[int], int]:
     if isinstance(policy, SlidingWindowChunkPolicy):
         return lambda n: 0 if n < policy.window else (n - policy.window) // policy.stride + 1
     if isinstance(policy, LeftContextChunkPolicy):
-        return lambda n: n // policy.chunk
+        return lambda n: max(0, n - policy.lookahead) // policy.chunk
     raise AssertionError(policy)
 
 
@@ -136,5 +139,5 @@ def retention_bound(policy: ChunkPolicy) -> int:
     if isinstance(policy, SlidingWindowChunkPolicy):
         return policy.window
     if isinstance(policy, LeftContextChunkPolicy):
-        return policy.chunk - 1 + policy.left_context
+        return policy.chunk - 1 + policy.left_context + policy.lookahead
     raise AssertionError(policy)

@@ -24,6 +24,16 @@ def test_tensor_take_spans_pieces() -> None:
         assert torch.equal(buffer.take(lo, hi), stream[lo:hi])
 
 
+def test_an_empty_take_is_of_the_stream_kind() -> None:
+    buffer = TensorBuffer("t", torch.zeros(1, 2, dtype=torch.int16))
+    buffer.append(torch.ones(3, 2, dtype=torch.int16))
+    empty = buffer.take(3, 3)
+    assert (empty.shape, empty.dtype) == ((0, 2), torch.int16)
+    lists = ListBuffer("l")
+    lists.append([1, 2])
+    assert lists.take(2, 2) == []
+
+
 def test_a_large_pushed_tensor_is_not_pinned_by_its_tail() -> None:
     big = torch.zeros(100_000, 4)
     buffer = TensorBuffer("t", big)

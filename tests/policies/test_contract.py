@@ -20,6 +20,7 @@ POLICIES = [
     pytest.param(lambda: FixedChunkPolicy(3), id="fixed"),
     pytest.param(lambda: SlidingWindowChunkPolicy(4, 2), id="sliding"),
     pytest.param(lambda: LeftContextChunkPolicy(3, 2), id="left_context"),
+    pytest.param(lambda: LeftContextChunkPolicy(3, 2, 2), id="lookahead"),
 ]
 CLOSED = r"policy already closed; create a fresh policy per stream with \.fresh\(\)"
 
@@ -80,6 +81,16 @@ CLOSED = r"policy already closed; create a fresh policy per stream with \.fresh\
             {"chunk": None, "left_context": 1},
             "chunk must be an int >= 1, got None (NoneType)",
         ),
+        (
+            LeftContextChunkPolicy,
+            {"chunk": 2, "left_context": 1, "lookahead": -1},
+            "LeftContextChunkPolicy: lookahead must be an int >= 0, got -1",
+        ),
+        (
+            LeftContextChunkPolicy,
+            {"chunk": 2, "left_context": 1, "lookahead": 1.0},
+            "lookahead must be an int >= 0, got 1.0 (float)",
+        ),
     ],
 )
 def test_bad_arguments_name_the_argument_and_range(
@@ -94,6 +105,8 @@ def test_edge_arguments_are_accepted() -> None:
     assert SlidingWindowChunkPolicy(1, 1).params == {"window": 1, "stride": 1}
     assert SlidingWindowChunkPolicy(5, 5).stride == 5
     assert LeftContextChunkPolicy(1, 0).left_context == 0
+    assert LeftContextChunkPolicy(1, 0).lookahead == 0
+    assert LeftContextChunkPolicy(1, 0, 3).params == {"chunk": 1, "left_context": 0, "lookahead": 3}
     assert FixedChunkPolicy(1).size == 1
 
 
@@ -189,7 +202,7 @@ def test_push_after_close_raises(make: Any) -> None:
 @pytest.mark.parametrize("make", POLICIES)
 def test_close_twice_raises(make: Any) -> None:
     policy = make()
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=0, final=True)]
     assert policy.closed
     with pytest.raises(PolicyError, match=CLOSED) as info:
         policy.close()
@@ -202,7 +215,7 @@ def test_close_releases_everything(make: Any) -> None:
     policy = make()
     policy.push(list(range(7)))
     assert policy.buffered > 0
-    [tail] = policy.close()
+    *_, tail = policy.close()
     assert tail.final
     assert policy.buffered == 0
     assert policy.pushed == 7
@@ -233,6 +246,8 @@ def test_equality_is_on_type_and_parameters() -> None:
     assert FixedChunkPolicy(3) != FixedChunkPolicy(4)
     assert SlidingWindowChunkPolicy(4, 2) != SlidingWindowChunkPolicy(4, 1)
     assert LeftContextChunkPolicy(3, 3) != SlidingWindowChunkPolicy(3, 3)
+    assert LeftContextChunkPolicy(3, 3) == LeftContextChunkPolicy(3, 3, 0)
+    assert LeftContextChunkPolicy(3, 3) != LeftContextChunkPolicy(3, 3, 1)
     assert FixedChunkPolicy(3) != 3
     assert len({FixedChunkPolicy(3), FixedChunkPolicy(3), LeftContextChunkPolicy(3, 0)}) == 2
 
@@ -242,8 +257,8 @@ def test_repr_shows_the_parameters() -> None:
         "SlidingWindowChunkPolicy(window=28, stride=7)"
     )
     assert repr(FixedChunkPolicy(4)) == "FixedChunkPolicy(size=4)"
-    assert (
-        repr(LeftContextChunkPolicy(25, 25)) == "LeftContextChunkPolicy(chunk=25, left_context=25)"
+    assert repr(LeftContextChunkPolicy(25, 25)) == (
+        "LeftContextChunkPolicy(chunk=25, left_context=25, lookahead=0)"
     )
 
 
@@ -268,6 +283,14 @@ def test_editing_a_tensor_chunk_touches_nothing_else() -> None:
         Chunk(stream[4:7], start=4, context=2),
         Chunk(stream[5:8], start=5, context=2),
     ]
+
+
+def test_the_final_chunk_of_a_tensor_stream_ending_on_a_boundary_is_an_empty_slice() -> None:
+    policy = FixedChunkPolicy(2)
+    policy.push(torch.ones(4, 3, dtype=torch.int16))
+    [end] = policy.close()
+    assert end == Chunk(torch.zeros(0, 3, dtype=torch.int16), start=4, final=True)
+    assert len(end.new) == 0
 
 
 def test_list_chunks_are_new_lists() -> None:

@@ -18,16 +18,16 @@ def test_back_to_back_chunks_and_a_remainder() -> None:
     assert policy.buffered == 0
 
 
-def test_no_remainder_means_nothing_on_close() -> None:
+def test_no_remainder_means_a_final_chunk_with_no_items() -> None:
     policy = FixedChunkPolicy(5)
     assert len(policy.push(list(range(10)))) == 2
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=10, final=True)]
 
 
 def test_one_item_at_a_time() -> None:
     policy = FixedChunkPolicy(3)
     assert [i for i in range(9) if policy.push([i])] == [2, 5, 8]
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=9, final=True)]
 
 
 def test_size_one_emits_every_item() -> None:
@@ -39,7 +39,8 @@ def test_empty_stream() -> None:
     policy = FixedChunkPolicy(3)
     assert policy.push([]) == []
     assert policy.push(torch.empty(0, 2)) == []
-    assert policy.close() == []
+    # Nothing fixed the kind: the final chunk is an empty list, which every kind accepts.
+    assert policy.close() == [Chunk([], start=0, final=True)]
 
 
 def test_tensor_items() -> None:

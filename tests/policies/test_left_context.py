@@ -23,7 +23,7 @@ def test_one_item_at_a_time() -> None:
     assert [i for i, chunks in out.items() if chunks] == [24, 49, 74, 99]
     assert out[74] == [Chunk(list(range(25, 75)), start=25, context=25)]
     assert out[99] == [Chunk(list(range(50, 100)), start=50, context=25)]
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=100, final=True)]
 
 
 def test_left_context_longer_than_chunk_grows_from_the_stream_start() -> None:
@@ -62,3 +62,50 @@ def test_memory_stays_within_chunk_plus_left_context() -> None:
     for i in range(5_000):
         policy.push([i])
         assert policy.buffered < 50
+
+
+def test_orpheus_frames_one_before_two_after_over_45_items() -> None:
+    # 7-item frames: each new frame between one frame of left context and two of look-ahead.
+    policy = LeftContextChunkPolicy(chunk=7, left_context=7, lookahead=14)
+    assert policy.push(list(range(45))) == [
+        Chunk(list(range(0, 21)), start=0, context=0, lookahead=14),  # frame 0: none before
+        Chunk(list(range(0, 28)), start=0, context=7, lookahead=14),
+        Chunk(list(range(7, 35)), start=7, context=7, lookahead=14),
+        Chunk(list(range(14, 42)), start=14, context=7, lookahead=14),
+    ]
+    # Frames 4 and 5 with what follows them (frame 5 and three items; three items), then the
+    # three items of an unfinished frame, final.
+    assert policy.close() == [
+        Chunk(list(range(21, 45)), start=21, context=7, lookahead=10),
+        Chunk(list(range(28, 45)), start=28, context=7, lookahead=3),
+        Chunk(list(range(35, 45)), start=35, context=7, lookahead=0, final=True),
+    ]
+
+
+def test_a_chunk_waits_for_its_look_ahead() -> None:
+    policy = LeftContextChunkPolicy(1, 0, 1)
+    assert policy.push(["a"]) == []
+    assert policy.push(["b"]) == [Chunk(["a", "b"], start=0, lookahead=1)]
+    assert policy.push(["c"]) == [Chunk(["b", "c"], start=1, lookahead=1)]
+    # The last item is new only in the final chunk, with nothing after it.
+    assert policy.close() == [Chunk(["c"], start=2, final=True)]
+
+
+def test_look_ahead_of_a_tensor_stream() -> None:
+    stream = torch.arange(10.0).reshape(5, 2)
+    policy = LeftContextChunkPolicy(2, 1, 2)
+    [first] = policy.push(stream[:4])
+    assert first == Chunk(stream[0:4], start=0, lookahead=2)
+    assert isinstance(first.new, torch.Tensor) and first.new.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert policy.push(stream[4:]) == []  # items 2 and 3 wait for two more
+    assert policy.close() == [
+        Chunk(stream[1:5], start=1, context=1, lookahead=1),
+        Chunk(stream[3:5], start=3, context=1, final=True),
+    ]
+
+
+def test_memory_stays_within_chunk_plus_both_contexts() -> None:
+    policy = LeftContextChunkPolicy(7, 7, 14)
+    for i in range(5_000):
+        policy.push([i])
+        assert policy.buffered < 7 + 7 + 14

@@ -40,22 +40,48 @@ def test_chunks_are_stream_slices_covering_the_stream_once(
 
     delivered = 0
     for chunk in chunks:
-        assert same_items(chunk.data, stream[chunk.start : chunk.end])
+        # Only a stream that carried nothing ends in data of no kind: an empty list.
+        pushed_nothing = not len(stream) and chunk.data == []
+        assert pushed_nothing or same_items(chunk.data, stream[chunk.start : chunk.end])
         if isinstance(chunk.data, torch.Tensor):
             assert chunk.data.is_contiguous()
-        # The new part starts exactly where the previous chunks left off, and is never empty.
+        # The new part starts exactly where the previous chunks left off, and only the final
+        # chunk may have none; look-ahead is never delivered before its own chunk.
         assert chunk.start + chunk.context == delivered
-        assert len(chunk.new) >= 1
-        delivered = chunk.end
+        assert len(chunk.new) >= 1 or chunk.final
+        delivered = chunk.end - chunk.lookahead
     assert delivered == len(stream)
-    assert same_items(concat([c.new for c in chunks], stream), stream)
+    assert same_items(concat([c.new for c in chunks if len(c.new)], stream), stream)
 
     starts = [c.start for c in chunks]
     assert starts == sorted(starts)
-    assert all(not c.final for c in result.pushed_chunks)
-    assert len(result.closing) <= 1
-    assert [c.final for c in result.closing] == [True] * len(result.closing)
+    # Exactly one final chunk, the last, even for a stream that ends on a chunk boundary or
+    # carries nothing; nothing follows it, so it looks ahead at nothing.
+    assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert result.closing and result.closing[-1] is chunks[-1]
+    final = chunks[-1]
+    assert final.lookahead == 0 and final.end == len(stream)
+    if not len(final.new):
+        assert len(final.data) == 0 and final.start == len(stream)
     assert policy.closed and policy.buffered == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", FAMILIES)
+@PROPERTY
+@given(data=st.data())
+def test_look_ahead_is_full_until_the_stream_ends(
+    family: str, kind: Kind, data: st.DataObject
+) -> None:
+    policy: ChunkPolicy = data.draw(POLICY_FAMILIES[family], label="policy")
+    stream, pushes = data.draw(split_streams(kind), label="stream, pushes")
+    ahead = policy.params.get("lookahead", 0)
+    result = run(policy, pushes)
+    assert all(c.lookahead == ahead for c in result.pushed_chunks)
+    # On close, each chunk sees whatever follows it, up to the policy's look-ahead.
+    for chunk in result.closing:
+        new_end = chunk.end - chunk.lookahead
+        assert chunk.lookahead == min(ahead, len(stream) - new_end)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -97,9 +123,11 @@ def test_list_and_tensor_streams_are_cut_alike(family: str, data: st.DataObject)
     as_lists: list[Items] = [p if isinstance(p, list) else p.tolist() for p in pushes]
     by_tensor = run(policy.fresh(), pushes).chunks
     by_list = run(policy.fresh(), as_lists).chunks
-    assert [(c.start, c.end, c.context, c.final) for c in by_tensor] == [
-        (c.start, c.end, c.context, c.final) for c in by_list
+    assert [(c.start, c.end, c.context, c.lookahead, c.final) for c in by_tensor] == [
+        (c.start, c.end, c.context, c.lookahead, c.final) for c in by_list
     ]
     for t, lst in zip(by_tensor, by_list, strict=True):
-        assert isinstance(t.data, torch.Tensor)
-        assert t.data.tolist() == lst.data
+        if len(t.data) == 0:  # a final chunk with no items
+            assert lst.data == []
+        else:
+            assert isinstance(t.data, torch.Tensor) and t.data.tolist() == lst.data

@@ -37,9 +37,10 @@ def test_fixed_chunks_are_back_to_back_and_full(kind: Kind, data: st.DataObject)
     if n % size:
         [tail] = result.closing
         assert (tail.start, len(tail), tail.context) == (n - n % size, n % size, 0)
-        assert len(tail) < size
+        assert len(tail) < size and tail.final
     else:
-        assert result.closing == []
+        [end] = result.closing
+        assert (end.start, len(end), end.final) == (n, 0, True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -61,25 +62,36 @@ def test_sliding_windows_step_by_stride(kind: Kind, data: st.DataObject) -> None
         assert tail.end == n
         assert tail.context == delivered - tail.start
     else:
-        assert result.closing == []
+        [end] = result.closing
+        assert (end.start, len(end), end.final) == (n, 0, True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @PROPERTY
 @given(data=st.data())
-def test_left_context_chunks_lead_with_old_items(kind: Kind, data: st.DataObject) -> None:
+def test_left_context_chunks_lead_with_old_items_and_trail_look_ahead(
+    kind: Kind, data: st.DataObject
+) -> None:
     policy: LeftContextChunkPolicy = data.draw(left_context_policies, label="policy")
     stream, pushes = data.draw(split_streams(kind), label="stream, pushes")
-    size, left, n = policy.chunk, policy.left_context, len(stream)
+    size, left, ahead, n = policy.chunk, policy.left_context, policy.lookahead, len(stream)
     result = run(policy, pushes)
-    for i, chunk in enumerate(result.pushed_chunks):
+    pushed = result.pushed_chunks
+    for i, chunk in enumerate(pushed):
         assert chunk.context == min(left, i * size)
         assert chunk.start + chunk.context == i * size
         assert len(chunk.new) == size
-    delivered = n - n % size
+        assert (chunk.lookahead, chunk.end) == (ahead, (i + 1) * size + ahead)
+    # close() goes on along the same grid: new items [j*size, (j+1)*size) cut at n.
+    delivered = len(pushed) * size
     if delivered < n:
-        [tail] = result.closing
-        assert tail.context == min(left, delivered)
-        assert (tail.start + tail.context, tail.end) == (delivered, n)
+        grid = list(range(delivered, n, size))
+        assert len(result.closing) == len(grid)
+        for new, chunk in zip(grid, result.closing, strict=True):
+            stop = min(new + size, n)
+            assert chunk.start + chunk.context == new
+            assert chunk.context == min(left, new)
+            assert (chunk.end - chunk.lookahead, chunk.lookahead) == (stop, min(ahead, n - stop))
     else:
-        assert result.closing == []
+        [end] = result.closing
+        assert (end.start, len(end), end.final) == (n, 0, True)

@@ -29,10 +29,10 @@ def test_orpheus_window_one_item_at_a_time() -> None:
     assert tail.data == list(range(32, 60))
 
 
-def test_close_after_a_complete_window_returns_nothing() -> None:
+def test_close_after_a_complete_window_returns_a_final_chunk_with_no_items() -> None:
     policy = SlidingWindowChunkPolicy(28, 7)
     assert len(policy.push(list(range(35)))) == 2
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=35, final=True)]
 
 
 def test_short_stream_is_one_final_chunk() -> None:
@@ -58,7 +58,7 @@ def test_stride_one() -> None:
         Chunk(["b", "c", "d"], start=1, context=2),
         Chunk(["c", "d", "e"], start=2, context=2),
     ]
-    assert policy.close() == []
+    assert policy.close() == [Chunk([], start=5, final=True)]
 
 
 def test_tensor_items() -> None:
@@ -71,7 +71,7 @@ def test_tensor_items() -> None:
         Chunk(stream[3:7], start=3, context=1),
         Chunk(stream[6:10], start=6, context=1),
     ]
-    assert policy.close() == []
+    assert policy.close() == [Chunk(stream[:0], start=10, final=True)]
     new = second[0].new
     assert isinstance(new, torch.Tensor)
     assert new.tolist() == [[8, 9], [10, 11], [12, 13]]

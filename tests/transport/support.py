@@ -118,7 +118,9 @@ def _chunks(data: st.SearchStrategy[Any]) -> st.SearchStrategy[Chunk]:
     def build(draw: st.DrawFn) -> Chunk:
         items = draw(data)
         context = draw(st.integers(0, len(items)))
-        return Chunk(items, draw(st.integers(0, 1000)), context, draw(st.booleans()))
+        lookahead = draw(st.integers(0, len(items) - context))
+        start = draw(st.integers(0, 1000))
+        return Chunk(items, start, context, lookahead, final=draw(st.booleans()))
 
     return build()
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import MstarError
+from mstar_async.graph import StreamEnd
 from mstar_async.policies import Chunk
 from mstar_async.transport import (
     INLINE_TENSOR_BYTES,
@@ -109,15 +110,18 @@ def test_edge_tensors(tensor: torch.Tensor) -> None:
     assert not out.requires_grad
 
 
-def test_chunk_and_sampling_params_round_trip() -> None:
-    chunk = Chunk(torch.arange(12, dtype=torch.int16).reshape(6, 2), start=7, context=2, final=True)
+def test_chunk_sampling_params_and_stream_end_round_trip() -> None:
+    data = torch.arange(12, dtype=torch.int16).reshape(6, 2)
+    chunk = Chunk(data, start=7, context=2, lookahead=3, final=True)
     params = SamplingParams(
         temperature=0.7, top_k=5, seed=2**64 - 1, stop_token_ids=frozenset({1, 9})
     )
-    value = {"chunk": chunk, "params": params, "pair": (chunk, [params])}
+    value = {"chunk": chunk, "params": params, "pair": (chunk, [params]), "ended": StreamEnd()}
     out = round_trip(value)
     assert_same(value, out)
     assert out["chunk"] == chunk and out["params"] == params
+    assert isinstance(out["ended"], StreamEnd)
+    assert (out["chunk"].lookahead, out["chunk"].final) == (3, True)
 
 
 def test_header_is_small_and_tensors_are_not_in_it() -> None:

@@ -91,7 +91,7 @@ def test_value_carrying_messages_round_trip(inputs: Any, outputs: Any) -> None:
 def test_decode_step_message_frames_and_zero_copy() -> None:
     tokens = torch.arange(8, dtype=torch.int64)
     hidden = torch.randn(8, 4096).to(torch.bfloat16)
-    chunk = Chunk(torch.randint(0, 4096, (28, 7)), start=21, context=21)
+    chunk = Chunk(torch.randint(0, 4096, (28, 7)), start=21, context=7, lookahead=14)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
     msg = StepRequest(
         1, "r", "llm", "decode", "llm", {"t": tokens, "h": hidden, "c": chunk, "s": params}

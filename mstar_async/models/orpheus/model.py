@@ -3,10 +3,10 @@
 Two walks. ``prefill`` computes the prompt's KV (all but its last token, ``<start_of_speech>``).
 ``speak`` is a ``DynamicLoop`` of decode steps, fed ``<start_of_speech>`` first, that each
 request leaves on ``<end_of_speech>`` or at its ``max_tokens``; every sampled token streams over
-a ``SlidingWindowChunkPolicy(28, 7)`` edge into the SNAC decoder, which turns each completed
-window into PCM while the LM keeps going (see ``snac_codec`` for which samples each window
-emits). Feeding the prompt's last token to the loop makes every audio code a loop output, so
-the first code reaches SNAC like all the others.
+a ``LeftContextChunkPolicy(7, 7, 14)`` edge into the SNAC decoder, which turns each frame into
+PCM, decoded with one frame before it and two after it as upstream's 28-code windows do, while
+the LM keeps going (see ``snac_codec``). Feeding the prompt's last token to the loop makes
+every audio code a loop output, so the first code reaches SNAC like all the others.
 """
 
 from __future__ import annotations
@@ -39,18 +39,16 @@ from mstar_async.models.orpheus.snac_codec import (
     SNAC_24KHZ,
     SNAC_SMALL,
     SNAC_TINY,
-    STRIDE,
-    WINDOW,
     SnacWindowDecoder,
     build_snac,
     check_snac_folder,
     load_snac,
+    snac_policy,
 )
 from mstar_async.models.orpheus.text import byte_tokenizer, vocab_of
 from mstar_async.models.orpheus.vocab import VOICES, OrpheusVocab, prompt_text
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk
-from mstar_async.policies import SlidingWindowChunkPolicy
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 SAMPLE_RATE = 24_000
@@ -200,7 +198,7 @@ def build_orpheus(
             Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
             Node("snac", engine="snac", op="decode", inputs=["codes"], outputs=["pcm"]),
         ],
-        edges=[stream("decode.token", "snac.codes", SlidingWindowChunkPolicy(WINDOW, STRIDE))],
+        edges=[stream("decode.token", "snac.codes", snac_policy())],
         walks=[
             Walk("prefill", "prefill", outputs=["prefill.token"]),
             Walk("speak", Sequential(speak, "snac"), outputs=["snac.pcm"]),

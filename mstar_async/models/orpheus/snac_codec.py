@@ -1,20 +1,28 @@
-"""The SNAC decoder as a streaming op: one window of Orpheus tokens in, the new frames' PCM out.
+"""The SNAC decoder as a streaming op: a window of Orpheus tokens in, its new frame's PCM out.
 
-Windowing (``SlidingWindowChunkPolicy(28, 7)`` over the LM's tokens, each window 4 frames when
-every token is a code): a window is decoded whole, so SNAC's non-causal convolutions see up
-to three frames of left context, and the op emits only the audio of the frames *completed by
-the window's new tokens* (``chunk.data[chunk.context:]``):
+SNAC's convolutions are not causal: a frame's audio depends on the frames on both sides of it.
+Upstream Orpheus (``orpheus_tts``' decoder) therefore decodes each window of the last 28 codes
+(4 frames), every 7 codes, and keeps samples ``[2048, 4096)``: the second frame, with one frame
+of left context and two frames of look-ahead. It never emits the first frame (no window has it
+second) or the last two (no window follows them).
 
-- the first window (context 0) emits all of its frames, samples ``[0, F * 2048)``;
-- every later window emits its newest frame, the last 2048 samples of its decode;
-- the tail that ``close()`` returns emits the frames its new tokens complete (none when the
-  new tokens are only ``<end_of_speech>`` or a partial frame).
+This op decodes every frame that way, those three included with whatever context exists. The
+edge's policy is ``LeftContextChunkPolicy(7, 7, 14)`` over the LM's tokens (``snac_policy``):
+each chunk's new tokens are one frame, after one frame of left context and before two of
+look-ahead, so chunks ``1 .. F-3`` are exactly upstream's windows; chunk 0 is frames 0..2 (no
+left context), and the final chunks that ``close()`` returns carry the last two frames with
+what follows them. The op decodes every frame the window holds and emits the audio of the
+frames whose last code lies in the chunk's new tokens:
 
-So every complete frame of the stream is heard exactly once, in order, and nothing waits for
-a later window: ``frames * 2048`` samples in all. (Upstream Orpheus keeps samples
-``[2048, 4096)`` of each window instead, i.e. a frame with two frames of look-ahead, and drops
-the first frame and the last two; this runtime's window policy gives no final chunk when a
-stream ends exactly on a window boundary, so holding audio back would lose it.)
+- frame ``j`` comes from chunk ``j``: ``samples_per_frame`` samples (2048 at 24 kHz), so a
+  stream of ``F`` complete frames gives ``F * 2048`` samples, each frame once, in order;
+- a chunk whose new tokens complete no frame (``<end_of_speech>``, the codes of an unfinished
+  last frame, the final chunk with no new items) gives an empty tensor.
+
+The price of look-ahead is latency: a frame's audio waits for two more frames of codes, so the
+first audio comes after 21 codes (3 frames). A token that is not a code shifts the 7-token grid
+(upstream counts codes only); frames near it then see less context, and each is still heard
+once.
 
 SNAC's noise blocks draw random numbers; each window draws them from a generator seeded with
 the window's stream position, so a window decodes to the same samples whenever it runs.
@@ -31,11 +39,23 @@ from typing import Any
 import torch
 
 from mstar_async.models.checkpoints import CheckpointError
-from mstar_async.models.orpheus.vocab import OrpheusVocab, codebooks, parse_frames
-from mstar_async.policies import Chunk, SlidingWindowChunkPolicy
+from mstar_async.models.orpheus.vocab import CODES_PER_FRAME, OrpheusVocab, codebooks, parse_frames
+from mstar_async.policies import Chunk, LeftContextChunkPolicy
 
-WINDOW = 28
-STRIDE = 7
+LEFT_FRAMES = 1
+"""Frames of left context each frame is decoded with (upstream's window keeps its second frame)."""
+
+AHEAD_FRAMES = 2
+"""Frames of look-ahead each frame is decoded with (the two after it in upstream's window)."""
+
+
+def snac_policy() -> LeftContextChunkPolicy:
+    """The token stream's policy into SNAC: one frame of new codes, ``LEFT_FRAMES`` before it and
+    ``AHEAD_FRAMES`` after it. Pure; never raises."""
+    return LeftContextChunkPolicy(
+        CODES_PER_FRAME, LEFT_FRAMES * CODES_PER_FRAME, AHEAD_FRAMES * CODES_PER_FRAME
+    )
+
 
 SNAC_24KHZ: dict[str, Any] = {
     "sampling_rate": 24000,
@@ -134,7 +154,8 @@ class SnacWindowDecoder:
         self.samples_per_frame = int(snac.hop_length) * int(snac.vq_strides[0])
 
     def decode_frames(self, frames: Sequence[Sequence[int]], seed: int) -> torch.Tensor:
-        """PCM ``[len(frames) * samples_per_frame]`` of ``frames`` decoded together."""
+        """PCM ``[len(frames) * samples_per_frame]`` of ``frames`` decoded together, SNAC's noise
+        drawn from ``seed``."""
         if not frames:
             return torch.zeros(0)
         with torch.inference_mode(), torch.random.fork_rng():
@@ -143,16 +164,18 @@ class SnacWindowDecoder:
         return audio.reshape(-1).float()
 
     def window_pcm(self, chunk: Chunk) -> torch.Tensor:
-        """The PCM of the frames that ``chunk``'s new tokens complete, decoded with the rest of
-        the window as context."""
+        """The PCM of the frames that ``chunk``'s new tokens complete, decoded with the frames
+        on both sides of them in the window as context."""
         data = chunk.data
         tokens = data.reshape(-1).tolist() if isinstance(data, torch.Tensor) else list(data)
         frames, ends = parse_frames(tokens, self.vocab)
-        fresh = sum(1 for end in ends if end >= chunk.context)
-        if fresh == 0:
+        stop = len(tokens) - chunk.lookahead
+        fresh = [i for i, end in enumerate(ends) if chunk.context <= end < stop]
+        if not fresh:
             return torch.zeros(0)
         pcm = self.decode_frames(frames, seed=chunk.start)
-        return pcm[-fresh * self.samples_per_frame :].clone()
+        size = self.samples_per_frame
+        return pcm[fresh[0] * size : (fresh[-1] + 1) * size].clone()
 
     def __call__(self, codes: list[Chunk]) -> dict[str, list[torch.Tensor]]:
         return {"pcm": [self.window_pcm(chunk) for chunk in codes]}
@@ -161,7 +184,7 @@ class SnacWindowDecoder:
 def decode_offline(tokens: Sequence[int], decoder: SnacWindowDecoder) -> torch.Tensor:
     """All of ``tokens``' audio at once, windowed exactly as the stream is: the reference the
     streamed PCM must equal."""
-    policy = SlidingWindowChunkPolicy(WINDOW, STRIDE)
+    policy = snac_policy()
     chunks = policy.push(torch.tensor(list(tokens), dtype=torch.long)) + policy.close()
     parts = [decoder.window_pcm(chunk) for chunk in chunks]
     return torch.cat(parts) if parts else torch.zeros(0)

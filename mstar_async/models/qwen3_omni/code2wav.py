@@ -293,28 +293,17 @@ class Code2Wav(nn.Module):
         return pcm[context * self.config.total_upsample :]
 
     def decode(self, codes: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:
-        """StatelessEngine op: one PCM tensor (float32) per chunk of frames."""
+        """StatelessEngine op: one PCM tensor (float32) per chunk of frames, the audio of its new
+        frames; empty for a final chunk that brings none. Look-ahead frames are not decoded:
+        every convolution is causal, so they cannot change the new frames' audio."""
         out = []
         for chunk in codes:
+            if not len(chunk.new):
+                out.append(torch.zeros(0))
+                continue
             assert isinstance(chunk.data, torch.Tensor)
-            out.append(self.decode_chunk(chunk.data, chunk.context).float())
-        return {"pcm": out}
-
-    def decode_after(
-        self, codes: Sequence[Chunk], history: Sequence[torch.Tensor], *, left: int
-    ) -> dict[str, list[torch.Tensor]]:
-        """StatelessEngine op for a stream that continues earlier frames: ``history`` holds the
-        last (up to ``left``) frames before the stream, ``[h, Q]``; a chunk that starts at the
-        stream's first frame borrows from its end, so every window sees ``min(left, frames
-        before it)`` frames of context, as if the two streams were one."""
-        out = []
-        for chunk, before in zip(codes, history, strict=True):
-            assert isinstance(chunk.data, torch.Tensor)
-            borrow = 0 if chunk.start else min(left - chunk.context, before.shape[0])
-            lend = before[before.shape[0] - borrow :]
-            window = torch.cat([lend.to(chunk.data), chunk.data])
-            context = chunk.context + lend.shape[0]
-            out.append(self.decode_chunk(window, context).float())
+            frames = chunk.data[: len(chunk.data) - chunk.lookahead]
+            out.append(self.decode_chunk(frames, chunk.context).float())
         return {"pcm": out}
 
 

@@ -3,21 +3,22 @@
 Graph (engines in brackets)::
 
     thinker_prefill [thinker] --token--> thinker [thinker]  (DynamicLoop: text decode)
-                                            |  stream, FixedChunkPolicy(1): every text token
+                                            |  stream, LeftContextChunkPolicy(1, 0, lookahead=1)
                                             v
     talker_prefill [talker] --> ( predictor_prefill [predictor]
                                   -> Loop(predictor [predictor], G-2)   codebooks 1..G-1
-                                  -> talker [talker] )                  DynamicLoop: one frame
+                                  -> talker [talker] )                  DynamicLoop: one frame,
+                                            |                           outliving the text
                                             |  stream, LeftContextChunkPolicy(25, 25)
                                             v
                                      code2wav [code2wav] --> PCM
 
-Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt),
-``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``) and
-``tail`` (the talker goes on with ``tts_pad`` after the text until codec end-of-speech, its
-code2wav windows borrowing left context from the end of ``speak``).
-The request program yields text deltas as the thinker makes tokens and audio chunks as
-code2wav finishes windows, interleaved.
+Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt) and
+``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``). The
+talker's loop reads the thinker's tokens one per frame and goes on after they end, with
+``tts_pad`` rows until codec end-of-speech, so code2wav sees one uninterrupted grid of windows.
+The request program yields text deltas as the thinker makes tokens and audio chunks as code2wav
+finishes windows, interleaved.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, ta
 from mstar_async.models.qwen3_omni.weights import build_parts
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
-from mstar_async.policies import FixedChunkPolicy, LeftContextChunkPolicy
+from mstar_async.policies import LeftContextChunkPolicy
 
 __all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_omni", "seeded_config", "talker_tokens"]
 
@@ -102,7 +103,6 @@ def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
         im_start=im_start,
         user=_role_id(tokenizer, "user"),
         assistant=_role_id(tokenizer, "assistant"),
-        text_eos=frozenset(tokenizer.eos_token_ids),
         speakers=cfg.speaker_ids,
     )
 
@@ -182,11 +182,10 @@ def _predictor_engine(
 
 
 def _code2wav_engine(
-    cfg: OmniConfig, left: int, folder: Path | None, dtype: torch.dtype, device: str
+    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str
 ) -> StatelessEngine:
     code2wav = build_parts(cfg, folder, dtype, device).code2wav
-    after = functools.partial(code2wav.decode_after, left=left)
-    return StatelessEngine({"decode": code2wav.decode, "decode_after": after}, device=device)
+    return StatelessEngine({"decode": code2wav.decode}, device=device)
 
 
 # ------------------------------------------------------------------------------ graph
@@ -251,35 +250,6 @@ def _nodes() -> list[Node]:
             outputs=["frame", "code", "context"],
         ),
         Node("code2wav", engine="code2wav", op="decode", inputs=["codes"], outputs=["pcm"]),
-        # The tail: after the text, the talker goes on with tts_pad until end of speech.
-        Node(
-            "tail_predictor_prefill",
-            engine="predictor",
-            op="prefill",
-            inputs=["context", "sampling"],
-            outputs=["code", "codes"],
-        ),
-        Node(
-            "tail_predictor",
-            engine="predictor",
-            op="decode",
-            inputs=["code", "codes"],
-            outputs=["code", "codes"],
-        ),
-        Node(
-            "talker_tail",
-            engine="talker",
-            op="decode",
-            inputs=["text", "code", "codes"],
-            outputs=["frame", "code", "context"],
-        ),
-        Node(
-            "code2wav_tail",
-            engine="code2wav",
-            op="decode_after",
-            inputs=["codes", "history"],
-            outputs=["pcm"],
-        ),
     ]
 
 
@@ -293,18 +263,10 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
         Edge("predictor_prefill.code", "predictor.code"),
         Edge("predictor_prefill.codes", "predictor.codes"),
         Edge("predictor.codes", "talker.codes"),
-        stream("thinker.token", "talker.text", FixedChunkPolicy(1)),
+        # A token's row waits for the next token or the end: upstream's last text row is
+        # tts_eos in place of the thinker's last token (see talker_ops).
+        stream("thinker.token", "talker.text", LeftContextChunkPolicy(1, 0, lookahead=1)),
         stream("talker.frame", "code2wav.codes", LeftContextChunkPolicy(chunk, left_context)),
-        Edge("talker.code", "talker_tail.code"),
-        Edge("talker.context", "tail_predictor_prefill.context"),
-        Edge("tail_predictor_prefill.code", "tail_predictor.code"),
-        Edge("tail_predictor_prefill.codes", "tail_predictor.codes"),
-        Edge("tail_predictor.codes", "talker_tail.codes"),
-        stream(
-            "talker_tail.frame",
-            "code2wav_tail.codes",
-            LeftContextChunkPolicy(chunk, left_context),
-        ),
     ]
 
 
@@ -331,23 +293,7 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         until=_frames_done(cfg.codec_eos, "talker"),
         max_iterations=max_iterations,
         carry={"talker.context": "predictor_prefill.context", "talker.code": "talker.code"},
-    )
-    tail_residual = Loop(
-        "tail_predictor",
-        iterations=cfg.num_code_groups - 2,
-        carry={
-            "tail_predictor.code": "tail_predictor.code",
-            "tail_predictor.codes": "tail_predictor.codes",
-        },
-    )
-    tail = DynamicLoop(
-        Sequential("tail_predictor_prefill", tail_residual, "talker_tail"),
-        until=_frames_done(cfg.codec_eos, "talker_tail"),
-        max_iterations=max_iterations,
-        carry={
-            "talker_tail.context": "tail_predictor_prefill.context",
-            "talker_tail.code": "talker_tail.code",
-        },
+        outlives_streams=True,
     )
     return [
         Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
@@ -356,12 +302,7 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         Walk(
             "speak",
             Sequential(thinker, frames, "code2wav"),
-            outputs=["thinker.token", "talker.frame", "talker.code", "code2wav.pcm"],
-        ),
-        Walk(
-            "tail",
-            Sequential(tail, "code2wav_tail"),
-            outputs=["talker_tail.frame", "code2wav_tail.pcm"],
+            outputs=["thinker.token", "talker.frame", "code2wav.pcm"],
         ),
     ]
 
@@ -371,49 +312,29 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
 
 async def _speak(
     request: Any,
-    tokens: TalkerTokens,
     params: dict[str, Any],
     sampling: SamplingParams,
     detok: IncrementalDecoder,
-    left: int,
     return_codes: bool,
 ) -> AsyncGenerator[Any, None]:
-    """Walk ``speak`` (text, frames and audio together), then, if the talker has not finished
-    speaking when the text ends, walk ``tail`` (tts_pad rows until codec end-of-speech), its
-    code2wav windows borrowing left context from the last frames of ``speak``."""
-    history: list[torch.Tensor] = []  # the last frames, at least one (for its shape)
-    last_code, frames = tokens.codec_eos, 0
+    """Walk ``speak``: text deltas, frames (with ``return_codes``) and audio as they are made.
+    The text's last characters go out when the thinker stops, not when the talker does."""
+    text_ends = _text_done("thinker")  # the thinker loop's own stop rule
     async with request.stream("speak", params=params, sampling=sampling) as events:
         async for event in events:
             if event.port == "code2wav.pcm":
-                yield AudioChunk(event.value, SAMPLE_RATE)
+                if event.value.numel():
+                    yield AudioChunk(event.value, SAMPLE_RATE)
             elif event.port == "talker.frame":
-                history = [*history, event.value][-max(left, 1) :]
                 if return_codes:
                     yield LatentOutput(event.value, event.iteration)
-                frames = event.iteration + 1
-            elif event.port == "talker.code":
-                last_code = int(event.value)
-            elif (token := int(event.value)) not in params["stop_ids"] and (
-                delta := detok.push(token)
-            ):
-                yield TextDelta(delta)
-    if rest := detok.finish():
-        yield TextDelta(rest)
-    remaining = int(params["max_frames"]) - frames
-    if last_code == tokens.codec_eos or remaining < 1 or not history:
-        return
-    inputs = {
-        "text": torch.tensor(tokens.tts_pad),
-        "history": torch.stack(history) if left else history[0][:0],
-        "sampling": sampling,
-    }
-    async with request.stream("tail", params={"max_frames": remaining}, **inputs) as events:
-        async for event in events:
-            if event.port == "code2wav_tail.pcm":
-                yield AudioChunk(event.value, SAMPLE_RATE)
-            elif return_codes:
-                yield LatentOutput(event.value, frames + event.iteration)
+            else:
+                token = int(event.value)
+                if token not in params["stop_ids"] and (delta := detok.push(token)):
+                    yield TextDelta(delta)
+                step = LoopStep(event.iteration, {"thinker.token": token}, params)
+                if text_ends(step) and (rest := detok.finish()):
+                    yield TextDelta(rest)
 
 
 def _prompt_ids(
@@ -444,7 +365,7 @@ def _context_tokens(cfg: OmniConfig, dtype: torch.dtype, kv_cache_bytes: int) ->
 
 
 def _program(
-    cfg: OmniConfig, tokenizer: ChatTokenizer, tokens: TalkerTokens, left: int
+    tokenizer: ChatTokenizer, tokens: TalkerTokens
 ) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
@@ -513,7 +434,7 @@ def _program(
             predictor_params = SamplingParams(
                 temperature=voice_temperature, top_k=voice_top_k, top_p=0.8, seed=seed + 1
             )
-            speech = _speak(request, tokens, params, predictor_params, detok, left, return_codes)
+            speech = _speak(request, params, predictor_params, detok, return_codes)
             async with aclosing(speech) as outputs:
                 async for output in outputs:
                     yield output
@@ -573,14 +494,14 @@ def build_qwen3_omni(
         nodes=_nodes(),
         edges=_edges(chunk, left_context),
         walks=_walks(cfg, max_iterations),
-        program=_program(cfg, tokenizer, tokens, left_context),
+        program=_program(tokenizer, tokens),
         components={
             "thinker": functools.partial(_thinker_engine, cfg, *engine_args, kv_cache_bytes),
             "talker": functools.partial(_talker_engine, cfg, tokens, *engine_args, kv_cache_bytes),
             "predictor": functools.partial(
                 _predictor_engine, cfg, *engine_args, kv_cache_bytes // 4
             ),
-            "code2wav": functools.partial(_code2wav_engine, cfg, left_context, *engine_args),
+            "code2wav": functools.partial(_code2wav_engine, cfg, *engine_args),
         },
         description=f"qwen3-omni ({'seeded ' + size if folder is None else folder})",
         info={

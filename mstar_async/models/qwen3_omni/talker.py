@@ -7,8 +7,11 @@ Per codec frame (upstream ``Qwen3OmniMoeTalkerForConditionalGeneration``):
    talker.codec_embedding(code 0)]`` and predicts codebooks ``1 .. G-1`` one by one
    (``lm_head[g]`` reads group ``g``; ``codec_embedding[g-1]`` embeds code ``g`` back in);
 3. the talker's next input row is the sum of the frame's ``G`` codebook embeddings plus the
-   next thinker text token through ``text_projection`` (``tts_eos`` at the thinker's end of
-   text), and its next hidden state gives the next frame's codebook 0.
+   next text row through ``text_projection``, and its next hidden state gives the next frame's
+   codebook 0. The text rows are upstream's ``trailing_text_hidden``: the thinker's tokens after
+   its first, one per frame, with ``tts_eos`` in place of its last one (upstream never feeds the
+   token the thinker stopped on, end-of-text or not), then ``tts_pad`` for as long as the talker
+   speaks on.
 
 The talker's prompt is built as upstream's ``_get_talker_user_parts`` /
 ``_get_talker_assistant_parts`` do for text input: every user turn's thinker embeddings through
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_async.errors import EngineError
+from mstar_async.graph import StreamEnd
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.policies import Chunk
@@ -57,7 +61,6 @@ class TalkerTokens:
     im_start: int
     user: int
     assistant: int
-    text_eos: frozenset[int] = frozenset()
     speakers: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -211,14 +214,22 @@ def talker_prompt(
     return torch.cat([*parts, text + codec])
 
 
+def _text_token(tokens: TalkerTokens, text: Chunk | StreamEnd) -> int:
+    """The thinker-vocabulary id of the talker's next text row. ``text`` is the text stream's
+    chunk for this frame (one new token, looking one ahead) or, once the text has ended,
+    ``StreamEnd``: a token as it comes, ``tts_eos`` for the last one (the final chunk), then
+    ``tts_pad``."""
+    if isinstance(text, StreamEnd):
+        return tokens.tts_pad
+    if text.final:
+        return tokens.tts_eos
+    return int(torch.as_tensor(text.new).reshape(-1)[0])
+
+
 def _text_row(
-    talker: Talker, thinker_embed: nn.Embedding, tokens: TalkerTokens, text: Any
+    talker: Talker, thinker_embed: nn.Embedding, tokens: TalkerTokens, text: Chunk | StreamEnd
 ) -> torch.Tensor:
-    data = text.data if isinstance(text, Chunk) else text
-    token = int(torch.as_tensor(data).reshape(-1)[-1])
-    if token in tokens.text_eos:
-        token = tokens.tts_eos
-    out: torch.Tensor = talker.text_projection(thinker_embed.weight[token])
+    out: torch.Tensor = talker.text_projection(thinker_embed.weight[_text_token(tokens, text)])
     return out
 
 
@@ -230,9 +241,10 @@ def talker_ops(
     - ``prefill``: ``prompt`` (thinker prompt ids), ``first`` (thinker's first token),
       ``speaker`` (codec speaker id), ``sampling`` -> ``code`` (codebook 0 of frame 0),
       ``context`` (``[2, hidden]``: the code predictor's first rows).
-    - ``decode``: ``text`` (a chunk holding the next thinker token), ``code`` (this frame's
-      codebook 0), ``codes`` (its residual codes from the predictor) -> ``frame`` (``[G]``),
-      ``code`` and ``context`` for the next frame.
+    - ``decode``: ``text`` (the text stream's chunk holding the next thinker token, or
+      ``StreamEnd`` after the text), ``code`` (this frame's codebook 0), ``codes`` (its residual
+      codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for the next
+      frame.
     """
 
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
