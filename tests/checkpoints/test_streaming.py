@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mstar_async.models.checkpoints import CheckpointError, SafetensorsFolder
+from mstar_async.models.checkpoints import CheckpointError, SafetensorsFolder, hf_folder
 from mstar_async.models.checkpoints.streaming import (
     Piece,
     StateDictSource,
@@ -93,6 +93,17 @@ def test_a_sharded_folder_is_read_tensor_by_tensor_into_the_final_dtype(tmp_path
     for e in range(2):
         assert torch.equal(module.stack[e, :2], state[f"e.{e}.gate"].bfloat16())
         assert torch.equal(module.stack[e, 2:], state[f"e.{e}.up"].bfloat16())
+
+
+def test_a_file_mapped_afresh_between_tensors_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hf_folder, "REMAP_BYTES", 1)  # every tensor through its own mapping
+    state = _state()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    read = {name: t.clone() for name, t in SafetensorsFolder(tmp_path).read(sorted(state))}
+    assert read.keys() == state.keys()
+    assert all(torch.equal(read[name], state[name]) for name in state)
 
 
 def test_a_shard_the_index_names_but_lacking_a_tensor_is_named(tmp_path: Path) -> None:

@@ -78,10 +78,17 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
     return {shard_path: names for shard_path, names in shards.items()}
 
 
+#: Bytes read through one mapping of a weight file before it is mapped afresh. The pages read
+#: through a mapping count in the process's RSS until it is unmapped (the page cache keeps them
+#: either way), so a rank reading from multi-GB shards holds about this much beside its weights.
+REMAP_BYTES = 128 * 2**20
+
+
 class SafetensorsFolder:
     """The safetensors weights of a checkpoint folder as a ``TensorSource``: names and shapes
     from the files' headers when opened, tensors read one at a time with ``safe_open``, file by
-    file, so only the tensors asked for are read and at most one file is mapped at a time.
+    file, so only the tensors asked for are read, and at most ``REMAP_BYTES`` of one file (or one
+    larger tensor) are mapped in at a time.
 
     Raises (constructor):
         CheckpointError: the weights, the index or a shard is missing or unreadable, or a shard
@@ -120,17 +127,20 @@ class SafetensorsFolder:
         if unknown:
             raise KeyError(f"no weight file holds {sorted(unknown)[:8]}")
         for path, held in self._files.items():
-            mine = [name for name in held if name in wanted]
-            if not mine:
-                continue
-            with _open(path) as f:
-                for name in mine:
-                    try:
-                        tensor = f.get_tensor(name)
-                    except Exception as exc:  # safetensors raises its own error types
-                        raise CheckpointError(f"cannot read {name} from {path}: {exc}") from exc
-                    yield name, tensor
-                    del tensor
+            mine = iter([name for name in held if name in wanted])
+            name = next(mine, None)
+            while name is not None:
+                with _open(path) as f:
+                    mapped = 0
+                    while name is not None and mapped < REMAP_BYTES:
+                        try:
+                            tensor = f.get_tensor(name)
+                        except Exception as exc:  # safetensors raises its own error types
+                            raise CheckpointError(f"cannot read {name} from {path}: {exc}") from exc
+                        mapped += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+                        del tensor
+                        name = next(mine, None)
 
 
 def _open(path: Path) -> Any:

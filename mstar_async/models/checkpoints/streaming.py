@@ -18,10 +18,11 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "Layout",
@@ -104,6 +105,25 @@ class LoadStats:
         return len(self.names)
 
 
+class _SkipInitialisers(TorchFunctionMode):
+    # ``torch.nn.init`` on a meta tensor has nothing to fill, and torch 2.13 routes its normal_
+    # through the compiler stack, whose import costs seconds and memory: skip the call.
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensors = (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+            target = next(tensors, None)
+            if target is not None and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def empty_module(build: Callable[[], M]) -> M:
     """Call ``build`` with the meta device as the default, so the module it returns has
     parameters with shapes but no storage, and no time goes into initialising them.
@@ -111,7 +131,7 @@ def empty_module(build: Callable[[], M]) -> M:
     A module whose constructor makes tensors it keeps outside its parameters must give them an
     explicit device, or ``load_weights`` refuses the module. Raises whatever ``build`` raises.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInitialisers():
         return build()
 
 
