@@ -45,6 +45,7 @@ BENCHMARKS = {
     "overhead": Benchmark("mstar_async.bench.overhead"),
     "soak": Benchmark("mstar_async.bench.soak"),
     "load": Benchmark("mstar_async.bench.load"),
+    "moe": Benchmark("mstar_async.bench.moe"),
 }
 
 #: The extra that installs each optional package, by its import name.
@@ -185,6 +186,7 @@ def add_bench_parser(sub: Any) -> None:
         _add_overhead_parser,
         _add_soak_parser,
         _add_load_parser,
+        _add_moe_parser,
     ):
         add(kinds)
 
@@ -632,4 +634,44 @@ def _load(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any],
     if args.no_eager:
         config = dataclasses.replace(config, eager=False)
     report = module.run_load(config, ProgressLog())
+    return report, module.format_report(report)
+
+
+def _add_moe_parser(kinds: Any) -> None:
+    moe = _add(
+        kinds,
+        "moe",
+        _moe,
+        help="qwen3-omni's MoE layer: batched experts vs the per-expert loop, by tokens",
+        description=(
+            "Milliseconds per forward of one MoE layer's routed experts (fp32, CPU, one "
+            "thread): sorted by expert into two grouped matmuls, against the loop over "
+            "experts it replaced, at 1, 32 and 512 tokens, at the seeded small thinker's shape "
+            "and at Qwen3-Omni's routing (128 experts, top-8) a quarter as wide; 5 repetitions, "
+            "ratios taken within each."
+        ),
+    )
+    if moe is None:
+        return
+    moe.add_argument("--quick", action="store_true", help="the small shape, 2 repetitions")
+    moe.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    moe.add_argument("--tokens", type=_concurrency, help="comma-separated (1,32,512)")
+    moe.add_argument("--shapes", type=_names(("small", "omni")), help="comma-separated")
+    moe.add_argument("--repeat", type=_positive, help="repetitions (5; --quick: 2)")
+    moe.add_argument("--threads", type=_positive, help="torch threads (1)")
+
+
+def _moe(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
+
+    given = {
+        "tokens": args.tokens,
+        "shapes": args.shapes,
+        "repeat": args.repeat,
+        "threads": args.threads,
+    }
+    config = dataclasses.replace(
+        module.preset(args.quick), **{k: v for k, v in given.items() if v is not None}
+    )
+    report = module.run_moe(config, ProgressLog())
     return report, module.format_report(report)

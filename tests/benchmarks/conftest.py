@@ -90,3 +90,8 @@ def soak_run() -> BenchRun:
 @pytest.fixture(scope="session")
 def load_run() -> BenchRun:
     return run_bench("load", "--quick", "--json", "--size-gb", "0.0625", "--ranks", "all,talker")
+
+
+@pytest.fixture(scope="session")
+def moe_run() -> BenchRun:
+    return run_bench("moe", "--quick", "--json", "--tokens", "1,3", "--threads", "1")
