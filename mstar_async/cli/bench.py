@@ -44,6 +44,8 @@ BENCHMARKS = {
     "speech": Benchmark("mstar_async.bench.speech", plots=("matplotlib",)),
     "overhead": Benchmark("mstar_async.bench.overhead"),
     "soak": Benchmark("mstar_async.bench.soak"),
+    "load": Benchmark("mstar_async.bench.load"),
+    "moe": Benchmark("mstar_async.bench.moe"),
 }
 
 #: The extra that installs each optional package, by its import name.
@@ -183,6 +185,8 @@ def add_bench_parser(sub: Any) -> None:
         _add_speech_parser,
         _add_overhead_parser,
         _add_soak_parser,
+        _add_load_parser,
+        _add_moe_parser,
     ):
         add(kinds)
 
@@ -580,4 +584,94 @@ def _soak(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any],
     }
     config = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
     report = module.run_soak_sync(config)
+    return report, module.format_report(report)
+
+
+def _size_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0625 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"expected gigabytes in [0.0625, 1024], got {text!r}")
+    return value
+
+
+def _add_load_parser(kinds: Any) -> None:
+    from_ranks = ("all", "thinker", "talker", "code2wav")
+    load = _add(
+        kinds,
+        "load",
+        _load,
+        help="checkpoint loading per rank: peak RSS, bytes read, seconds (qwen3-omni)",
+        description=(
+            "Write a synthetic Qwen3-Omni checkpoint (released layout, bf16, about 15 shards) "
+            "and load it in fresh processes: the parts of each rank layout (all engines, the "
+            "thinker's, the talker's with the code predictor's, code2wav's) streamed tensor by "
+            "tensor, and the whole checkpoint read eagerly as before. Reports each one's peak "
+            "RSS growth, bytes and tensors read and seconds. Default: 2 GB."
+        ),
+    )
+    if load is None:
+        return
+    load.add_argument("--quick", action="store_true", help="a 0.25 GB checkpoint")
+    load.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    load.add_argument("--size-gb", type=_size_gb, help="checkpoint size in GB (2; --quick: 0.25)")
+    load.add_argument(
+        "--ranks", type=_names(from_ranks), help=f"comma-separated ({','.join(from_ranks)})"
+    )
+    load.add_argument("--no-eager", action="store_true", help="skip the eager baseline")
+    load.add_argument("--threads", type=_positive, help="torch threads when loading (1)")
+
+
+def _load(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
+
+    given = {"size_gb": args.size_gb, "ranks": args.ranks, "threads": args.threads}
+    config = dataclasses.replace(
+        module.preset(args.quick), **{k: v for k, v in given.items() if v is not None}
+    )
+    if args.no_eager:
+        config = dataclasses.replace(config, eager=False)
+    report = module.run_load(config, ProgressLog())
+    return report, module.format_report(report)
+
+
+def _add_moe_parser(kinds: Any) -> None:
+    moe = _add(
+        kinds,
+        "moe",
+        _moe,
+        help="qwen3-omni's MoE layer: batched experts vs the per-expert loop, by tokens",
+        description=(
+            "Milliseconds per forward of one MoE layer's routed experts (fp32, CPU, one "
+            "thread): sorted by expert into two grouped matmuls, against the loop over "
+            "experts it replaced, at 1, 32 and 512 tokens, at the seeded small thinker's shape "
+            "and at Qwen3-Omni's routing (128 experts, top-8) a quarter as wide; 5 repetitions, "
+            "ratios taken within each."
+        ),
+    )
+    if moe is None:
+        return
+    moe.add_argument("--quick", action="store_true", help="the small shape, 2 repetitions")
+    moe.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    moe.add_argument("--tokens", type=_concurrency, help="comma-separated (1,32,512)")
+    moe.add_argument("--shapes", type=_names(("small", "omni")), help="comma-separated")
+    moe.add_argument("--repeat", type=_positive, help="repetitions (5; --quick: 2)")
+    moe.add_argument("--threads", type=_positive, help="torch threads (1)")
+
+
+def _moe(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
+
+    given = {
+        "tokens": args.tokens,
+        "shapes": args.shapes,
+        "repeat": args.repeat,
+        "threads": args.threads,
+    }
+    config = dataclasses.replace(
+        module.preset(args.quick), **{k: v for k, v in given.items() if v is not None}
+    )
+    report = module.run_moe(config, ProgressLog())
     return report, module.format_report(report)

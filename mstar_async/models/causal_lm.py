@@ -31,7 +31,7 @@ from mstar_async.graph import (
 from mstar_async.models.checkpoints import (
     ChatTokenizer,
     IncrementalDecoder,
-    load_checkpoint,
+    SafetensorsFolder,
     read_config,
     smollm2_folder,
 )
@@ -53,14 +53,15 @@ def build_lm_engine(
     device: str,
     compile: bool | str,
 ) -> KVCacheEngine:
-    """Load the checkpoint in ``folder`` onto ``device`` and wrap it in a ``KVCacheEngine``.
+    """Stream the checkpoint in ``folder`` onto ``device`` (tensor by tensor, in ``dtype``) and
+    wrap it in a ``KVCacheEngine``. Blocks on the reads.
 
     Raises:
         CheckpointError: a file of the folder is missing or unreadable.
+        ValueError: the weights do not match the config.
     """
-    checkpoint = load_checkpoint(folder)
-    model = PagedDecoder.from_checkpoint(
-        checkpoint.config, checkpoint.state_dict, dtype=dtype, device=device
+    model = PagedDecoder.from_source(
+        read_config(folder), SafetensorsFolder(folder), dtype=dtype, device=device
     )
     return KVCacheEngine(
         model,

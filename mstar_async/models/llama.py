@@ -28,6 +28,13 @@ from torch import nn
 
 from mstar_async.engines.kv import AttentionSpec
 from mstar_async.errors import EngineError
+from mstar_async.models.checkpoints.streaming import (
+    Piece,
+    StateDictSource,
+    TensorSource,
+    empty_module,
+    load_weights,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -558,53 +565,59 @@ class PagedDecoder(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> PagedDecoder:
-        """Build from a Hugging Face ``config.json`` dict and its state dict, strictly.
+        """Build from a Hugging Face ``config.json`` dict and a state dict in memory, strictly
+        (as :meth:`from_source`).
+
+        Raises:
+            ValueError: as :meth:`from_source`.
+        """
+        return cls.from_source(config, StateDictSource(state_dict), dtype=dtype, device=device)
+
+    @classmethod
+    def from_source(
+        cls,
+        config: Mapping[str, Any],
+        source: TensorSource,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> PagedDecoder:
+        """Build from a Hugging Face ``config.json`` dict, reading the weights tensor by tensor
+        from ``source`` (a ``SafetensorsFolder`` streams them from disk) straight into ``dtype``
+        on ``device``, strictly.
 
         With tied embeddings ``lm_head.weight`` may be absent (and is ignored if present: the
         head is the embedding, as upstream). ``*rotary_emb.inv_freq`` keys from old checkpoints
-        are ignored. Weights are cast to ``dtype`` and placed on ``device``.
+        are ignored. Blocks on the reads.
 
         Raises:
             ValueError: the config is unsupported or invalid (see :meth:`DecoderConfig.from_hf`);
                 ``dtype`` is not a floating type; or keys are missing or unexpected, or shapes
-                differ (the message lists them).
+                differ (the message lists them), found before any tensor is read.
+            CheckpointError: a weight file cannot be read.
         """
         cfg = DecoderConfig.from_hf(config)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
-        model = cls._empty(cfg, dtype, device)
-        expected = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-        if cfg.tie_word_embeddings:
-            del expected["lm_head.weight"]
-        given = {
-            k: v
-            for k, v in state_dict.items()
-            if not k.endswith(_IGNORED_KEY_SUFFIXES)
-            and not (cfg.tie_word_embeddings and k == "lm_head.weight")
-        }
-        missing = sorted(set(expected) - set(given))
-        unexpected = sorted(set(given) - set(expected))
-        wrong = sorted(
-            f"{k}: checkpoint {tuple(given[k].shape)}, model {expected[k]}"
-            for k in set(given) & set(expected)
-            if tuple(given[k].shape) != expected[k]
-        )
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing keys {missing}")
-            if unexpected:
-                parts.append(f"unexpected keys {unexpected}")
-            if wrong:
-                parts.append(f"shape mismatches {wrong}")
-            raise ValueError(
-                f"state dict does not match a {cfg.model_type} decoder with this config: "
-                + "; ".join(parts)
+        model = empty_module(lambda: cls(cfg))
+
+        def claimed(name: str) -> bool:
+            return not name.endswith(_IGNORED_KEY_SUFFIXES) and not (
+                cfg.tie_word_embeddings and name == "lm_head.weight"
             )
-        with torch.no_grad():
-            model.load_state_dict(given, strict=False)
-        model.eval()
-        return model
+
+        try:
+            load_weights(
+                model,
+                source,
+                lambda name, shape: [Piece(name)],
+                dtype=dtype,
+                device=device,
+                claimed=claimed,
+            )
+        except ValueError as exc:
+            raise ValueError(f"a {cfg.model_type} decoder with this config: {exc}") from None
+        return model.eval()
 
     @classmethod
     def random(

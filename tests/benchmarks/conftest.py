@@ -85,3 +85,13 @@ def overhead_run() -> BenchRun:
 @pytest.fixture(scope="session")
 def soak_run() -> BenchRun:
     return run_bench("soak", "--quick", "--json", "--minutes", "0.05")
+
+
+@pytest.fixture(scope="session")
+def load_run() -> BenchRun:
+    return run_bench("load", "--quick", "--json", "--size-gb", "0.0625", "--ranks", "all,talker")
+
+
+@pytest.fixture(scope="session")
+def moe_run() -> BenchRun:
+    return run_bench("moe", "--quick", "--json", "--tokens", "1,3", "--threads", "1")

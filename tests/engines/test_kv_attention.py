@@ -141,9 +141,12 @@ def test_forked_branches_share_prefix_and_copy_on_write(dtype: torch.dtype) -> N
     check(w, {"x": 1, "x2": 1, "y": 2})
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 3), (3, 1)])
-def test_gqa_ratios(heads: tuple[int, int]) -> None:
-    w = world(heads=heads)
+@pytest.mark.parametrize(
+    ("heads", "head_dim"),
+    [((4, 4), 16), ((8, 2), 16), ((6, 3), 16), ((3, 1), 16), ((9, 3), 64), ((32, 8), 128)],
+)
+def test_gqa_ratios(heads: tuple[int, int], head_dim: int) -> None:
+    w = world(heads=heads, head_dim=head_dim)
     for seq in "abc":
         w.add(seq)
     check(w, {"a": 6, "b": 2})

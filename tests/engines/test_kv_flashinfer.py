@@ -1,6 +1,7 @@
 """FlashInfer backend against the torch backend and the dense float64 reference (CUDA only).
 
 Tolerances: bf16/fp16 atol 2e-2 against the float64 reference and between the two backends.
+Head shapes: GQA groups of 1, 2, 3 (SmolLM2's 9/3 heads at head_dim 64), 4 and 8, full MHA.
 Skipped unless CUDA is available and ``flashinfer`` imports.
 """
 
@@ -30,8 +31,8 @@ def _needs_flashinfer() -> None:
     pytest.importorskip("flashinfer")
 
 
-def world(dtype: torch.dtype, heads: tuple[int, int]) -> World:
-    spec = AttentionSpec(heads[0], heads[1], 128, dtype=dtype)
+def world(dtype: torch.dtype, heads: tuple[int, int], head_dim: int = 128) -> World:
+    spec = AttentionSpec(heads[0], heads[1], head_dim, dtype=dtype)
     return World(
         spec,
         FlashInferAttentionBackend(spec, "cuda"),
@@ -47,10 +48,21 @@ def check(w: World, requests: dict[str, int]) -> None:
     assert result["err"] <= ATOL and result["twin_err"] <= ATOL, result
 
 
-@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize(
+    ("heads", "head_dim"),
+    [
+        ((8, 2), 128),
+        ((8, 1), 128),
+        ((4, 4), 128),
+        ((9, 3), 64),  # SmolLM2-135M: a GQA group of 3
+        ((32, 8), 128),  # Llama-3-8B's shape
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flashinfer_matches_torch(dtype: torch.dtype, heads: tuple[int, int]) -> None:
-    w = world(dtype, heads)
+def test_flashinfer_matches_torch(
+    dtype: torch.dtype, heads: tuple[int, int], head_dim: int
+) -> None:
+    w = world(dtype, heads, head_dim)
     for seq in "abcd":
         w.add(seq)
     check(w, {"a": 20, "b": 33, "c": 1, "d": 16})  # prefill only

@@ -18,7 +18,7 @@ from mstar_async.models.qwen3_omni.code2wav import chunked_decode
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention
 from mstar_async.models.qwen3_omni.model import seeded_config, talker_tokens
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, talker_prompt
-from mstar_async.models.qwen3_omni.weights import OmniParts, build_parts
+from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.runtime import open_runtime
 
@@ -46,9 +46,9 @@ def _model(**options: Any) -> Any:
     return build_model("qwen3-omni", size="tiny", chunk=CHUNK, left_context=CHUNK, **options)
 
 
-def _parts(tokenizer: ChatTokenizer) -> tuple[OmniParts, TalkerTokens]:
+def _parts(tokenizer: ChatTokenizer) -> tuple[OmniWeights, TalkerTokens]:
     cfg = seeded_config("tiny", 0, tokenizer)
-    return build_parts(cfg, None, torch.float32, "cpu"), talker_tokens(cfg, tokenizer)
+    return OmniWeights(cfg, None, torch.float32, "cpu"), talker_tokens(cfg, tokenizer)
 
 
 async def _collect(runtime: Any, **inputs: Any) -> list[Any]:
@@ -88,7 +88,7 @@ async def test_streamed_pcm_equals_decoding_all_frames_at_once_on_one_grid(
     assert [o.step for o in out if isinstance(o, LatentOutput)] == list(range(len(frames)))
     pcm = torch.cat([o.pcm for o in out if isinstance(o, AudioChunk)])
     parts, _ = _parts(tokenizer)
-    code2wav = parts.code2wav
+    code2wav = parts.code2wav()
     # One frame per text token after the prefill's (ignore_eos: max_tokens - 1), and the talker
     # speaks on after the text, in the same walk.
     assert len(frames) > max_tokens - 1, "the talker should speak on after the text"
@@ -106,7 +106,7 @@ async def test_streamed_pcm_equals_decoding_all_frames_at_once_on_one_grid(
 
 
 def _reference(
-    parts: OmniParts,
+    parts: OmniWeights,
     tokens: TalkerTokens,
     ids: list[int],
     max_tokens: int,
@@ -114,7 +114,7 @@ def _reference(
     max_frames: int,
 ) -> tuple[list[int], list[list[int]]]:
     """The whole greedy data flow, sequentially, on dense attention recomputed every step."""
-    thinker, talker = parts.thinker, parts.talker
+    thinker, talker = parts.thinker(), parts.talker()
     predictor = talker.code_predictor
     text: list[int] = []
     for _ in range(max_tokens):
@@ -268,7 +268,7 @@ def test_embeds_engine_waits_for_memory_fails_what_never_fits_and_frees_on_relea
     from mstar_async.models.qwen3_omni.talker import predictor_ops
 
     parts, _ = _parts(tokenizer)
-    predictor = parts.talker.code_predictor
+    predictor = parts.code_predictor()
     cfg = predictor.model.config
     engine = EmbedsKVEngine(
         predictor.model,
@@ -307,7 +307,7 @@ def test_embeds_engine_splits_a_step_by_budget_and_moves_a_request_between_engin
     from mstar_async.models.qwen3_omni.talker import predictor_ops
 
     parts, _ = _parts(tokenizer)
-    predictor = parts.talker.code_predictor
+    predictor = parts.code_predictor()
     cfg = predictor.model.config
 
     def engine() -> EmbedsKVEngine:
@@ -368,15 +368,15 @@ async def test_a_story_finishes_with_audio_at_the_default_and_a_long_max_tokens(
 def test_seeded_audio_is_at_a_sane_level_not_clipped_noise(
     size: str, tokenizer: ChatTokenizer
 ) -> None:
-    parts = build_parts(seeded_config(size, 0, tokenizer), None, torch.float32, "cpu")
+    code2wav = OmniWeights(seeded_config(size, 0, tokenizer), None, torch.float32, "cpu").code2wav()
     codes = torch.randint(
         0,
-        parts.code2wav.config.codebook_size,
-        (parts.code2wav.config.num_quantizers, 24),
+        code2wav.config.codebook_size,
+        (code2wav.config.num_quantizers, 24),
         generator=torch.Generator().manual_seed(7),
     )
     with torch.no_grad():
-        pcm = parts.code2wav(codes)
+        pcm = code2wav(codes)
     clipped = float((pcm.abs() > 0.99).float().mean())
     rms = float(pcm.pow(2).mean().sqrt())
     assert clipped < 0.01, f"{clipped:.0%} of samples at full scale"

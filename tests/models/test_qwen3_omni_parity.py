@@ -17,11 +17,12 @@ import torch
 
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.models.checkpoints.streaming import StateDictSource, empty_module
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, Qwen3Config, seeded_init
 from mstar_async.models.qwen3_omni.talker import Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
-from mstar_async.models.qwen3_omni.weights import fuse_expert_keys, load_part, upstream_keys
+from mstar_async.models.qwen3_omni.weights import load_upstream
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.runtime import open_runtime
 
@@ -70,12 +71,12 @@ def test_thinker_text_model_logits_match_upstream() -> None:
     _randomise(upstream, 0)
     cfg = Qwen3Config.from_hf(TEXT)
     assert cfg.sparse(0) and cfg.sparse(1)
-    ours = Thinker(cfg, TEXT["vocab_size"]).eval()
+    ours = empty_module(lambda: Thinker(cfg, TEXT["vocab_size"]))
     head = torch.randn(
         TEXT["vocab_size"], TEXT["hidden_size"], generator=torch.Generator().manual_seed(1)
     )
     state = {f"model.{k}": v for k, v in upstream.state_dict().items()} | {"lm_head.weight": head}
-    load_part(ours, state, "")
+    load_upstream(ours, StateDictSource(state), "")
     ids = torch.randint(0, TEXT["vocab_size"], (11,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = upstream(input_ids=ids[None]).last_hidden_state[0] @ head.T
@@ -115,15 +116,17 @@ def _talkers() -> tuple[Any, Talker]:
     cfg = Qwen3Config.from_hf(TEXT)
     from dataclasses import replace
 
-    ours = Talker(
-        replace(cfg, shared_expert_intermediate_size=24, norm_topk_prob=False),
-        vocab=TEXT["vocab_size"],
-        thinker_hidden=48,
-        predictor=replace(cfg, num_hidden_layers=1, num_experts=0),
-        codebook_size=40,
-        groups=4,
-    ).eval()
-    load_part(ours, upstream.state_dict(), "")
+    ours = empty_module(
+        lambda: Talker(
+            replace(cfg, shared_expert_intermediate_size=24, norm_topk_prob=False),
+            vocab=TEXT["vocab_size"],
+            thinker_hidden=48,
+            predictor=replace(cfg, num_hidden_layers=1, num_experts=0),
+            codebook_size=40,
+            groups=4,
+        )
+    )
+    load_upstream(ours, StateDictSource(upstream.state_dict()), "")
     return upstream, ours
 
 
@@ -180,8 +183,8 @@ def test_code2wav_matches_upstream_beyond_its_sliding_window() -> None:
     }
     upstream = hf.Qwen3OmniMoeCode2Wav(hf_config.Qwen3OmniMoeCode2WavConfig(**fields)).eval()
     seeded_init(upstream, 6)
-    ours = Code2Wav(Code2WavConfig.from_hf(fields)).eval()
-    load_part(ours, upstream.state_dict(), "")
+    ours = empty_module(lambda: Code2Wav(Code2WavConfig.from_hf(fields)))
+    load_upstream(ours, StateDictSource(upstream.state_dict()), "")
     codes = torch.randint(0, 32, (4, 20), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         want = upstream(codes[None]).reshape(-1)
@@ -198,35 +201,50 @@ def test_code2wav_matches_upstream_beyond_its_sliding_window() -> None:
     torch.testing.assert_close(chunked_decode(ours, codes.T, 8, 5), chunked, **TOL)
 
 
-def test_released_expert_layout_and_language_model_prefix_are_normalised() -> None:
-    gate = [torch.full((3, 2), float(e)) for e in range(2)]
-    up = [torch.full((3, 2), 10.0 + e) for e in range(2)]
-    down = [torch.full((2, 3), 20.0 + e) for e in range(2)]
-    state = {"thinker.model.language_model.norm.weight": torch.ones(2)}
-    for e in range(2):
-        prefix = f"thinker.model.layers.0.mlp.experts.{e}"
-        state |= {
-            f"{prefix}.gate_proj.weight": gate[e],
-            f"{prefix}.up_proj.weight": up[e],
-            f"{prefix}.down_proj.weight": down[e],
-        }
-    out = upstream_keys(state)
-    assert sorted(out) == [
-        "thinker.model.layers.0.mlp.experts.down_proj",
-        "thinker.model.layers.0.mlp.experts.gate_up_proj",
-        "thinker.model.norm.weight",
-    ]
-    fused = out["thinker.model.layers.0.mlp.experts.gate_up_proj"]
-    assert fused.shape == (2, 6, 2)
-    assert fused[1, :3].eq(1).all() and fused[1, 3:].eq(11).all()
-    assert out["thinker.model.layers.0.mlp.experts.down_proj"][0].eq(20).all()
-    assert fuse_expert_keys({"a": torch.ones(1)}).keys() == {"a"}
+def _released(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """``state`` in the released files' layout: one matrix per expert and projection."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        stack = key.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if not stack.endswith("experts."):
+            out[prefix + key] = value
+            continue
+        for e in range(value.shape[0]):
+            if key.endswith("down_proj"):
+                out[f"{prefix}{stack}{e}.down_proj.weight"] = value[e].clone()
+            else:
+                gate, up = value[e].chunk(2)
+                out[f"{prefix}{stack}{e}.gate_proj.weight"] = gate.clone()
+                out[f"{prefix}{stack}{e}.up_proj.weight"] = up.clone()
+    return out
 
 
-def test_loading_names_what_is_missing() -> None:
-    ours = Thinker(Qwen3Config.from_hf(TEXT), TEXT["vocab_size"])
-    with pytest.raises(ValueError, match="missing"):
-        load_part(ours, {"thinker.lm_head.weight": torch.zeros(96, 32)}, "thinker.")
+def test_released_expert_layout_and_language_model_prefix_load_into_the_fused_stacks() -> None:
+    upstream = hf.Qwen3OmniMoeThinkerTextModel(hf_config.Qwen3OmniMoeTextConfig(**TEXT)).eval()
+    _randomise(upstream, 9)
+    state = _released(upstream.state_dict(), "thinker.model.language_model.")
+    assert "thinker.model.language_model.layers.1.mlp.experts.3.up_proj.weight" in state
+    state["thinker.lm_head.weight"] = torch.randn(TEXT["vocab_size"], TEXT["hidden_size"])
+    state["thinker.audio_tower.proj.weight"] = torch.zeros(4, 4)  # a tower: never read
+    ours = empty_module(lambda: Thinker(Qwen3Config.from_hf(TEXT), TEXT["vocab_size"]))
+    stats = load_upstream(
+        ours, StateDictSource(state), "thinker.", claims=("thinker.model.", "thinker.lm_head.")
+    )
+    assert sorted(stats.names) == sorted(set(state) - {"thinker.audio_tower.proj.weight"})
+    ours_state, want = ours.state_dict(), upstream.state_dict()
+    for layer in range(2):
+        for stack in ("gate_up_proj", "down_proj"):
+            key = f"layers.{layer}.mlp.experts.{stack}"
+            assert torch.equal(ours_state[f"model.{key}"], want[key]), key
+    assert torch.equal(ours.lm_head.weight, state["thinker.lm_head.weight"])
+
+
+def test_loading_names_what_is_missing_and_changes_nothing() -> None:
+    ours = empty_module(lambda: Thinker(Qwen3Config.from_hf(TEXT), TEXT["vocab_size"]))
+    source = StateDictSource({"thinker.lm_head.weight": torch.zeros(96, 32)})
+    with pytest.raises(ValueError, match=r"missing keys \['thinker.model.embed_tokens.weight'"):
+        load_upstream(ours, source, "thinker.")
+    assert all(param.is_meta for param in ours.parameters())
 
 
 # ------------------------------------------------------------------ a whole checkpoint folder

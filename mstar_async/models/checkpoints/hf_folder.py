@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,29 +78,94 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
     return {shard_path: names for shard_path, names in shards.items()}
 
 
+#: Bytes read through one mapping of a weight file before it is mapped afresh. The pages read
+#: through a mapping count in the process's RSS until it is unmapped (the page cache keeps them
+#: either way), so a rank reading from multi-GB shards holds about this much beside its weights.
+REMAP_BYTES = 128 * 2**20
+
+
+class SafetensorsFolder:
+    """The safetensors weights of a checkpoint folder as a ``TensorSource``: names and shapes
+    from the files' headers when opened, tensors read one at a time with ``safe_open``, file by
+    file, so only the tensors asked for are read, and at most ``REMAP_BYTES`` of one file (or one
+    larger tensor) are mapped in at a time.
+
+    Raises (constructor):
+        CheckpointError: the weights, the index or a shard is missing or unreadable, or a shard
+            lacks a tensor the index gives it.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._files: dict[Path, list[str]] = {}
+        for path, listed in weight_files(Path(folder)).items():
+            with _open(path) as f:
+                names = list(f.keys()) if listed is None else listed
+                for name in names:
+                    try:
+                        self._shapes[name] = tuple(f.get_slice(name).get_shape())
+                    except Exception as exc:  # safetensors raises its own error types
+                        raise CheckpointError(f"{path} does not hold {name}: {exc}") from exc
+            self._files[path] = names
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's name and shape (from the headers; no tensor data is read)."""
+        return dict(self._shapes)
+
+    def read(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield each of ``names`` with its tensor, file by file (a tensor is a view of the
+        mapped file, valid until the next is yielded: copy it).
+
+        Blocks on disk reads (run it in a thread); closing the iterator early closes the file.
+
+        Raises:
+            KeyError: a name no file holds.
+            CheckpointError: a file cannot be read.
+        """
+        wanted = set(names)
+        unknown = wanted - self._shapes.keys()
+        if unknown:
+            raise KeyError(f"no weight file holds {sorted(unknown)[:8]}")
+        for path, held in self._files.items():
+            mine = iter([name for name in held if name in wanted])
+            name = next(mine, None)
+            while name is not None:
+                with _open(path) as f:
+                    mapped = 0
+                    while name is not None and mapped < REMAP_BYTES:
+                        try:
+                            tensor = f.get_tensor(name)
+                        except Exception as exc:  # safetensors raises its own error types
+                            raise CheckpointError(f"cannot read {name} from {path}: {exc}") from exc
+                        mapped += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+                        del tensor
+                        name = next(mine, None)
+
+
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types and OSError
+        raise CheckpointError(f"cannot read weights from {path}: {exc}") from exc
+
+
 def load_state_dict(
     folder: str | Path, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read every tensor of the safetensors checkpoint in ``folder``.
+    """Read every tensor of the safetensors checkpoint in ``folder`` into memory.
 
-    Files are memory-mapped and read one tensor at a time, so peak memory is the state dict
-    itself. Floating tensors are cast to ``dtype`` when given; others keep theirs.
-    Raises ``CheckpointError`` naming the missing or unreadable file.
+    Floating tensors are cast to ``dtype`` when given; others keep theirs. A model that loads
+    only what it needs streams from a ``SafetensorsFolder`` instead.
+
+    Raises:
+        CheckpointError: a weight file is missing or unreadable (the message names it).
     """
-    folder = Path(folder)
+    source = SafetensorsFolder(folder)
     state: dict[str, torch.Tensor] = {}
-    for path, names in weight_files(folder).items():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in names if names is not None else f.keys():
-                    tensor = f.get_tensor(name)
-                    if dtype is not None and tensor.is_floating_point():
-                        tensor = tensor.to(dtype)
-                    state[name] = tensor
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types and OSError
-            raise CheckpointError(f"cannot read weights from {path}: {exc}") from exc
+    for name, tensor in source.read(list(source.shapes())):
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        state[name] = tensor.to(cast, copy=True)
     return state
 
 

@@ -221,7 +221,8 @@ class _PreTransformer(nn.Module):
             _TransformerLayer(shape, i) for i in range(shape.num_hidden_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float32)
+        # Explicit device: a module built on the meta device still needs its frequencies.
+        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu")
         self._inv_freq = 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +258,8 @@ class Code2Wav(nn.Module):
         decoder += [_DecoderBlock(cfg, i) for i in range(len(cfg.upsample_rates))]
         decoder += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(decoder)
-        self._offset = torch.arange(cfg.num_quantizers)[:, None] * cfg.codebook_size
+        offsets = torch.arange(cfg.num_quantizers, device="cpu")  # not meta (see _inv_freq)
+        self._offset = offsets[:, None] * cfg.codebook_size
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """Decode ``[Q, frames]`` codes to ``[samples]`` PCM in [-1, 1].

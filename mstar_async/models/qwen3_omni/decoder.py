@@ -58,7 +58,7 @@ class Qwen3Config:
 
     def __post_init__(self) -> None:
         """Raises ValueError: a size below 1, heads not a multiple of kv heads, an odd head
-        dim, or a top-k larger than the number of experts."""
+        dim, a top-k larger than the number of experts, or expert sizes not multiples of 8."""
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Qwen3Config.{name} must be >= 1, got {getattr(self, name)}")
@@ -72,6 +72,12 @@ class Qwen3Config:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, {self.num_experts}], "
                 f"got {self.num_experts_per_tok}"
+            )
+        if self.num_experts and (self.hidden_size % 8 or self.moe_intermediate_size % 8):
+            # Grouped matmuls over the experts need rows of a multiple of 16 bytes.
+            raise ValueError(
+                "hidden_size and moe_intermediate_size must be multiples of 8 with experts, "
+                f"got {self.hidden_size} and {self.moe_intermediate_size}"
             )
 
     def sparse(self, layer: int) -> bool:
@@ -200,6 +206,15 @@ class _Router(nn.Module):
 
 
 class _Experts(nn.Module):
+    """The routed experts of one layer, run for every token of a forward at once.
+
+    The ``tokens x top_k`` assignments are sorted by expert, so each expert's rows are one
+    contiguous segment of a gathered copy of the input; both projections are grouped matmuls
+    over those segments (``F.grouped_mm``, one kernel each: no loop over experts and no host
+    sync, so the layer costs the same number of launches whichever experts are picked); the
+    weighted outputs are summed back into their tokens with ``index_add_``.
+    """
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -209,16 +224,23 @@ class _Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        # Only the experts some token picked run, each on exactly its tokens.
-        for expert in torch.unique(experts).tolist():
-            rows, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            # A token picks an expert at most once, so ``rows`` has no repeats (and plain
-            # indexed accumulation is far cheaper than ``index_add_`` on CPU).
-            out[rows] += y * weights[rows, slot, None]
-        return out
+        """``x`` ``[n, hidden]``, router ``weights`` and ``experts`` ``[n, top_k]`` -> the
+        weighted sum of each token's experts, ``[n, hidden]``. Never raises on valid shapes."""
+        top_k = experts.shape[1]
+        picked, order = torch.sort(experts.reshape(-1), stable=True)
+        rows = order // top_k  # the token of each sorted assignment
+        every = torch.arange(self.gate_up_proj.shape[0], device=picked.device)
+        ends = torch.searchsorted(picked, every, right=True).to(torch.int32)
+        gate, up = _grouped_linear(x[rows], self.gate_up_proj, ends).chunk(2, dim=-1)
+        y = _grouped_linear(F.silu(gate) * up, self.down_proj, ends)
+        y = y * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    # Rows ends[g-1]:ends[g] of x through weight[g] ([groups, out, in]), as F.linear would.
+    out: torch.Tensor = F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    return out
 
 
 class SparseMoE(nn.Module):

@@ -59,7 +59,7 @@ from mstar_async.models.checkpoints import (
 from mstar_async.models.qwen3_omni.config import SAMPLE_RATE, SIZES, OmniConfig
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
-from mstar_async.models.qwen3_omni.weights import build_parts
+from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.policies import LeftContextChunkPolicy
@@ -135,57 +135,43 @@ def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
 # ------------------------------------------------------------------------------ engines
 
 
-def _thinker_engine(
-    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str, kv: int
-) -> KVCacheEngine:
-    thinker = build_parts(cfg, folder, dtype, device).thinker
+def _thinker_engine(weights: OmniWeights, kv: int) -> KVCacheEngine:
+    cfg = weights.config
     return KVCacheEngine(
-        thinker,
-        cfg.thinker.attention_spec(dtype),
+        weights.thinker(),
+        cfg.thinker.attention_spec(weights.dtype),
         num_layers=cfg.thinker.num_hidden_layers,
         kv_cache_bytes=kv,
-        device=device,
+        device=weights.device,
     )
 
 
-def _talker_engine(
-    cfg: OmniConfig,
-    tokens: TalkerTokens,
-    folder: Path | None,
-    dtype: torch.dtype,
-    device: str,
-    kv: int,
-) -> EmbedsKVEngine:
-    parts = build_parts(cfg, folder, dtype, device)
+def _talker_engine(weights: OmniWeights, tokens: TalkerTokens, kv: int) -> EmbedsKVEngine:
+    cfg, talker = weights.config, weights.talker()
     return EmbedsKVEngine(
-        parts.talker.model,
-        cfg.talker.attention_spec(dtype),
-        talker_ops(parts.talker, parts.thinker.embed_tokens, tokens),
+        talker.model,
+        cfg.talker.attention_spec(weights.dtype),
+        talker_ops(talker, weights.thinker_embedding(), tokens),
         num_layers=cfg.talker.num_hidden_layers,
         kv_cache_bytes=kv,
-        device=device,
+        device=weights.device,
     )
 
 
-def _predictor_engine(
-    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str, kv: int
-) -> EmbedsKVEngine:
-    predictor = build_parts(cfg, folder, dtype, device).talker.code_predictor
+def _predictor_engine(weights: OmniWeights, kv: int) -> EmbedsKVEngine:
+    cfg, predictor = weights.config, weights.code_predictor()
     return EmbedsKVEngine(
         predictor.model,
-        cfg.predictor.attention_spec(dtype),
+        cfg.predictor.attention_spec(weights.dtype),
         predictor_ops(predictor),
         num_layers=cfg.predictor.num_hidden_layers,
         kv_cache_bytes=kv,
-        device=device,
+        device=weights.device,
     )
 
 
-def _code2wav_engine(
-    cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str
-) -> StatelessEngine:
-    code2wav = build_parts(cfg, folder, dtype, device).code2wav
-    return StatelessEngine({"decode": code2wav.decode}, device=device)
+def _code2wav_engine(weights: OmniWeights) -> StatelessEngine:
+    return StatelessEngine({"decode": weights.code2wav().decode}, device=weights.device)
 
 
 # ------------------------------------------------------------------------------ graph
@@ -488,7 +474,8 @@ def build_qwen3_omni(
         cfg = OmniConfig.from_hf(_read_config(folder))
     tokens = talker_tokens(cfg, tokenizer)
     torch_dtype = _DTYPES[dtype]
-    engine_args = (folder, torch_dtype, device)
+    # Parts are built on the worker, when (and only if) an engine placed there needs them.
+    weights = OmniWeights(cfg, folder, torch_dtype, device)
     return Model(
         "qwen3-omni",
         nodes=_nodes(),
@@ -496,12 +483,10 @@ def build_qwen3_omni(
         walks=_walks(cfg, max_iterations),
         program=_program(tokenizer, tokens),
         components={
-            "thinker": functools.partial(_thinker_engine, cfg, *engine_args, kv_cache_bytes),
-            "talker": functools.partial(_talker_engine, cfg, tokens, *engine_args, kv_cache_bytes),
-            "predictor": functools.partial(
-                _predictor_engine, cfg, *engine_args, kv_cache_bytes // 4
-            ),
-            "code2wav": functools.partial(_code2wav_engine, cfg, *engine_args),
+            "thinker": functools.partial(_thinker_engine, weights, kv_cache_bytes),
+            "talker": functools.partial(_talker_engine, weights, tokens, kv_cache_bytes),
+            "predictor": functools.partial(_predictor_engine, weights, kv_cache_bytes // 4),
+            "code2wav": functools.partial(_code2wav_engine, weights),
         },
         description=f"qwen3-omni ({'seeded ' + size if folder is None else folder})",
         info={

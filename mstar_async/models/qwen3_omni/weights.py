@@ -1,115 +1,122 @@
-"""The three modules of the model (thinker, talker with its code predictor, code2wav), with
-seeded weights or loaded from a checkpoint's state dict by upstream names.
+"""The model's parts, each built the first time an engine asks for it, and only that part.
 
-Modules are built once per (source, dtype, device) in a process and shared by the engines that
-need them: the talker's engine and the code predictor's engine read the same ``Talker``, and
-the talker's engine reads the thinker's embedding table (upstream projects thinker embeddings
-into the talker).
+A rank builds the parts its engines need and nothing else: the thinker's engine the thinker; the
+talker's engine the talker (with its code predictor) and the thinker's embedding table alone
+(the talker projects thinker embeddings of the text, as upstream does); the code predictor's
+engine the code predictor (taken from the talker when that is built); code2wav's engine
+code2wav. From a checkpoint folder a part is built on the meta device and its tensors are
+streamed from the safetensors files straight into their final dtype and device
+(``checkpoints.streaming``), so a rank reads from disk only its parts' tensors and never holds a
+second copy; the audio and vision towers are never read.
+
+Parts are owned by the engines holding them: an ``OmniWeights`` (one per built model) keeps only
+weak references, so engines built together share a part (the talker's and the code predictor's
+engines one ``Talker``), and a part no engine holds any more is freed.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Mapping
+import threading
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from mstar_async.models.checkpoints import load_checkpoint
+from mstar_async.models.checkpoints import SafetensorsFolder
+from mstar_async.models.checkpoints.streaming import (
+    Layout,
+    LoadStats,
+    Piece,
+    TensorSource,
+    empty_module,
+    load_weights,
+)
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav
 from mstar_async.models.qwen3_omni.config import OmniConfig
 from mstar_async.models.qwen3_omni.decoder import seeded_init
-from mstar_async.models.qwen3_omni.talker import Talker
+from mstar_async.models.qwen3_omni.talker import CodePredictor, Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
 
-__all__ = ["OmniParts", "build_parts", "fuse_expert_keys", "load_part", "upstream_keys"]
+__all__ = ["SEEDED_RMS", "OmniWeights", "load_upstream", "upstream_layout"]
+
+P = TypeVar("P", bound=nn.Module)
+
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# transformers 5 names the thinker's text model ``thinker.model.language_model``; the released
+# files name it ``thinker.model``.
+_THINKER_TEXT, _THINKER_TEXT_V5 = "thinker.model.", "thinker.model.language_model."
 
 
-@dataclass(frozen=True)
-class OmniParts:
-    """The model's modules, in eval mode."""
+def upstream_layout(prefix: str, names: Collection[str]) -> Layout:
+    """Where each parameter of a part whose upstream names start with ``prefix`` is among the
+    checkpoint's ``names``: the same name under ``prefix``, the thinker's text model under
+    either of its upstream prefixes, and each fused expert stack (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) from the released per-expert matrices
+    ``experts.{e}.{gate,up,down}_proj.weight`` when the checkpoint has no fused tensor.
+    """
 
-    thinker: Thinker
-    talker: Talker
-    code2wav: Code2Wav
+    def present(name: str) -> str:
+        if name in names or not name.startswith(_THINKER_TEXT):
+            return name
+        renamed = _THINKER_TEXT_V5 + name[len(_THINKER_TEXT) :]
+        return renamed if renamed in names else name
 
+    def pieces(param: str, shape: tuple[int, ...]) -> Sequence[Piece]:
+        name = present(prefix + param)
+        fused = _FUSED_EXPERTS.match(param)
+        if fused is None or name in names:
+            return [Piece(name)]
+        experts, which = prefix + fused.group(1), fused.group(2)
+        if which == "down_proj":
+            return [
+                Piece(present(f"{experts}.{e}.down_proj.weight"), (e,)) for e in range(shape[0])
+            ]
+        half = shape[1] // 2
+        return [
+            piece
+            for e in range(shape[0])
+            for piece in (
+                Piece(present(f"{experts}.{e}.gate_proj.weight"), (e, slice(0, half))),
+                Piece(present(f"{experts}.{e}.up_proj.weight"), (e, slice(half, 2 * half))),
+            )
+        ]
 
-def _modules(cfg: OmniConfig) -> OmniParts:
-    return OmniParts(
-        thinker=Thinker(cfg.thinker, cfg.thinker_vocab),
-        talker=Talker(
-            cfg.talker,
-            vocab=cfg.talker_vocab,
-            thinker_hidden=cfg.thinker.hidden_size,
-            predictor=cfg.predictor,
-            codebook_size=cfg.codebook_size,
-            groups=cfg.num_code_groups,
-        ),
-        code2wav=Code2Wav(cfg.code2wav),
-    )
-
-
-_EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def fuse_expert_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stack per-expert ``experts.{e}.{gate,up,down}_proj.weight`` (the layout of the released
-    safetensors) into transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``;
-    other keys pass through."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, value in state.items():
-        match = _EXPERT_KEY.match(key)
-        if match is None:
-            out[key] = value
-            continue
-        prefix, index, name = match.group(1), int(match.group(2)), match.group(3)
-        experts.setdefault(prefix, {}).setdefault(name, {})[index] = value
-    for prefix, parts in experts.items():
-        count = len(parts["down_proj"])
-        gate = [parts["gate_proj"][e] for e in range(count)]
-        up = [parts["up_proj"][e] for e in range(count)]
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(count)])
-    return out
+    return pieces
 
 
-def upstream_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Normalise a checkpoint's keys to this model's: fused experts, and transformers 5's
-    ``thinker.model.language_model.`` read as the released files' ``thinker.model.``."""
-    renamed = {
-        k.replace("thinker.model.language_model.", "thinker.model.", 1): v for k, v in state.items()
-    }
-    return fuse_expert_keys(renamed)
-
-
-def load_part(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
-    """Load the ``prefix``-ed keys of ``state`` into ``module`` strictly.
+def load_upstream(
+    module: nn.Module,
+    source: TensorSource,
+    prefix: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    claims: Sequence[str] | None = None,
+) -> LoadStats:
+    """Fill ``module`` (built with ``empty_module``) from the upstream-named tensors of
+    ``source`` under ``prefix`` (see ``upstream_layout``), strictly: every tensor whose name
+    starts with one of ``claims`` (default: ``prefix``) must be used. Blocks on the reads.
 
     Raises:
-        ValueError: keys missing or unexpected, or shapes differ (the message lists them).
+        ValueError: tensors missing, unexpected or of the wrong shape (listed), before reading.
+        CheckpointError: a weight file cannot be read.
     """
-    mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(mine))
-    unexpected = sorted(set(mine) - set(expected))
-    wrong = sorted(
-        f"{k}: checkpoint {tuple(mine[k].shape)}, model {tuple(expected[k].shape)}"
-        for k in set(mine) & set(expected)
-        if mine[k].shape != expected[k].shape
+    starts = tuple(claims if claims is not None else (prefix,))
+    stats = load_weights(
+        module,
+        source,
+        upstream_layout(prefix, source.shapes().keys()),
+        dtype=dtype,
+        device=device,
+        claimed=(lambda name: name.startswith(starts)) if starts else None,
     )
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"state dict under {prefix!r} does not match the model: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}, shape mismatches {wrong[:8]}"
-        )
-    with torch.no_grad():
-        module.load_state_dict(mine, strict=True)
+    module.eval()
+    return stats
 
 
 #: The RMS level seeded code2wav weights are scaled to (about -20 dBFS): random weights
@@ -132,32 +139,147 @@ def _speak_softly(code2wav: Code2Wav, seed: int) -> None:
                 param.mul_(SEEDED_RMS / rms)
 
 
-# The thinker's audio / vision towers are not part of this model; their keys are skipped.
-_PREFIXES = {"thinker": "thinker.", "talker": "talker.", "code2wav": "code2wav."}
+def _talker(cfg: OmniConfig) -> Talker:
+    return Talker(
+        cfg.talker,
+        vocab=cfg.talker_vocab,
+        thinker_hidden=cfg.thinker.hidden_size,
+        predictor=cfg.predictor,
+        codebook_size=cfg.codebook_size,
+        groups=cfg.num_code_groups,
+    )
 
 
-@functools.lru_cache(maxsize=4)
-def build_parts(cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str) -> OmniParts:
-    """The modules for ``cfg``: seeded from ``cfg.seed`` when ``folder`` is None, else loaded
-    from the folder's weights. Cached per arguments.
+@dataclass(frozen=True)
+class _Part:
+    build: Callable[[OmniConfig], nn.Module]
+    prefix: str  # of its tensors' upstream names
+    claims: tuple[str, ...]  # its tensors that must all be used (none: it reads a few)
+    within: tuple[str, str] | None = None  # (part, submodule) it is a piece of
+    seed: int = 0  # offset of its seed (seeded parts that are no piece of another)
 
-    Raises:
-        CheckpointError: a weight file is missing or unreadable.
-        ValueError: the weights do not match the config.
+
+_PARTS = {
+    "thinker": _Part(
+        lambda c: Thinker(c.thinker, c.thinker_vocab),
+        "thinker.",
+        ("thinker.model.", "thinker.lm_head."),  # not the audio and vision towers
+    ),
+    "thinker_embedding": _Part(
+        lambda c: nn.Embedding(c.thinker_vocab, c.thinker.hidden_size),
+        "thinker.model.embed_tokens.",
+        (),
+        within=("thinker", "model.embed_tokens"),
+    ),
+    "talker": _Part(_talker, "talker.", ("talker.",), seed=1),
+    "code_predictor": _Part(
+        lambda c: CodePredictor(c.predictor, c.codebook_size, c.num_code_groups),
+        "talker.code_predictor.",
+        ("talker.code_predictor.",),
+        within=("talker", "code_predictor"),
+    ),
+    "code2wav": _Part(lambda c: Code2Wav(c.code2wav), "code2wav.", ("code2wav.",), seed=2),
+}
+
+
+class OmniWeights:
+    """The parts of one built model: seeded from ``cfg.seed`` when ``folder`` is None, else
+    streamed from the folder's safetensors, in ``dtype`` on ``device``, in eval mode.
+
+    Each accessor returns the live part if an engine still holds it, else builds it (blocking;
+    call it where engines are built). Thread-safe: one part is built at a time.
     """
-    parts = _modules(cfg)
-    if folder is None:
-        for offset, module in enumerate((parts.thinker, parts.talker, parts.code2wav)):
-            seeded_init(module, cfg.seed + offset)
-        _speak_softly(parts.code2wav, cfg.seed + 2)
-    else:
-        state = upstream_keys(load_checkpoint(folder).state_dict)
-        thinker_state = {
-            k: v for k, v in state.items() if k.startswith(("thinker.model.", "thinker.lm_head."))
-        }
-        load_part(parts.thinker, thinker_state, _PREFIXES["thinker"])
-        load_part(parts.talker, state, _PREFIXES["talker"])
-        load_part(parts.code2wav, state, _PREFIXES["code2wav"])
-    for module in (parts.thinker, parts.talker, parts.code2wav):
-        module.to(device=device, dtype=dtype).eval()
-    return parts
+
+    def __init__(
+        self, cfg: OmniConfig, folder: Path | None, dtype: torch.dtype, device: str
+    ) -> None:
+        self.config = cfg
+        self.folder = folder
+        self.dtype = dtype
+        self.device = device
+        #: What each part built from the folder read, in the order they were built.
+        self.loads: list[tuple[str, LoadStats]] = []
+        self._live: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._source: SafetensorsFolder | None = None
+
+    def thinker(self) -> Thinker:
+        """The thinker's text model and head.
+
+        Raises:
+            CheckpointError: a weight file is missing or unreadable.
+            ValueError: the weights do not match the config.
+        """
+        return self._part("thinker", Thinker)
+
+    def thinker_embedding(self) -> nn.Embedding:
+        """The thinker's input embedding table: the thinker's own when it is built, else the
+        table alone (the only thinker tensor read). Raises as ``thinker``."""
+        return self._part("thinker_embedding", nn.Embedding)
+
+    def talker(self) -> Talker:
+        """The talker with its code predictor. Raises as ``thinker``."""
+        return self._part("talker", Talker)
+
+    def code_predictor(self) -> CodePredictor:
+        """The code predictor: the talker's when it is built, else the predictor alone.
+        Raises as ``thinker``."""
+        return self._part("code_predictor", CodePredictor)
+
+    def code2wav(self) -> Code2Wav:
+        """The vocoder. Raises as ``thinker``."""
+        return self._part("code2wav", Code2Wav)
+
+    def _part(self, name: str, kind: type[P]) -> P:
+        with self._lock:
+            module = self._live.get(name)
+            if module is None:
+                module = self._build(name)
+                self._live[name] = module
+        assert isinstance(module, kind)
+        return module
+
+    def _build(self, name: str) -> nn.Module:
+        part = _PARTS[name]
+        if part.within is not None:
+            whole = self._live.get(part.within[0])
+            if whole is not None:
+                return whole.get_submodule(part.within[1])
+        if self.folder is None:
+            return self._seeded(name)
+        module = empty_module(lambda: part.build(self.config))
+        self._adopt_pieces(name, module)
+        if self._source is None:
+            self._source = SafetensorsFolder(self.folder)
+        stats = load_upstream(
+            module,
+            self._source,
+            part.prefix,
+            dtype=self.dtype,
+            device=self.device,
+            claims=part.claims,
+        )
+        self.loads.append((name, stats))
+        return module
+
+    def _seeded(self, name: str) -> nn.Module:
+        # Seeded values depend on every parameter drawn before them, so a piece of a part is
+        # cut from the whole part (seeded sizes are small).
+        within = _PARTS[name].within
+        whole_name, path = within if within is not None else (name, "")
+        part = _PARTS[whole_name]
+        module = part.build(self.config)
+        seeded_init(module, self.config.seed + part.seed)
+        if isinstance(module, Code2Wav):
+            _speak_softly(module, self.config.seed + part.seed)
+        module.to(device=self.device, dtype=self.dtype).eval()
+        self._adopt_pieces(whole_name, module)
+        return module.get_submodule(path) if path else module
+
+    def _adopt_pieces(self, name: str, module: nn.Module) -> None:
+        """Put the live pieces of part ``name`` into ``module`` (built now), so they are shared,
+        not built twice; loading keeps their materialised parameters."""
+        for piece, part in _PARTS.items():
+            live = self._live.get(piece)
+            if part.within is not None and part.within[0] == name and live is not None:
+                module.set_submodule(part.within[1], live)
