@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mstar_async.models.qwen3_omni.audio_encoder import AudioEncoderConfig
 from mstar_async.models.qwen3_omni.code2wav import Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config
 
@@ -21,6 +22,7 @@ class OmniConfig:
 
     ``tts_*`` ids of ``None`` are placed right after the tokenizer's vocabulary (a seeded model
     over a tokenizer that has no such tokens); codec ids are in the talker's vocabulary.
+    ``audio`` is the thinker's audio encoder (``None``: a config without one).
     """
 
     thinker: Qwen3Config
@@ -41,9 +43,15 @@ class OmniConfig:
     tts_eos: int | None = None
     tts_pad: int | None = None
     seed: int = 0
+    audio: AudioEncoderConfig | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError: sizes that do not fit together."""
+        if self.audio is not None and self.audio.output_dim != self.thinker.hidden_size:
+            raise ValueError(
+                f"the audio encoder makes {self.audio.output_dim}-wide rows but the thinker is "
+                f"{self.thinker.hidden_size} wide"
+            )
         if self.code2wav.num_quantizers != self.num_code_groups:
             raise ValueError(
                 f"code2wav has {self.code2wav.num_quantizers} quantizers but the talker makes "
@@ -77,6 +85,7 @@ class OmniConfig:
             talker_text = talker["text_config"]
             predictor = talker["code_predictor_config"]
             code2wav = config.get("code2wav_config", {})
+            audio = config["thinker_config"].get("audio_config")
         except KeyError as missing:
             raise ValueError(f"Qwen3-Omni config.json lacks {missing}") from None
         talker_shape = replace(
@@ -105,6 +114,7 @@ class OmniConfig:
             tts_bos=config.get("tts_bos_token_id"),
             tts_eos=config.get("tts_eos_token_id"),
             tts_pad=config.get("tts_pad_token_id"),
+            audio=None if audio is None else AudioEncoderConfig.from_hf(audio),
         )
 
 
@@ -116,6 +126,7 @@ def _sized(
     codebook: int,
     groups: int,
     code2wav: Code2WavConfig,
+    audio: AudioEncoderConfig,
 ) -> OmniConfig:
     specials = 16
     predictor = replace(
@@ -139,6 +150,7 @@ def _sized(
         codec_think_bos=codebook + 8,
         codec_think_eos=codebook + 9,
         speakers=(("ethan", codebook + 10), ("chelsie", codebook + 11)),
+        audio=audio,
     )
 
 
@@ -180,6 +192,14 @@ _TINY = _sized(
         num_key_value_heads=2,
         decoder_dim=16,
     ),
+    audio=AudioEncoderConfig(
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        d_model=32,
+        output_dim=64,
+        downsample_hidden_size=16,
+    ),
 )
 
 _SMALL = _sized(
@@ -219,6 +239,14 @@ _SMALL = _sized(
         num_attention_heads=4,
         num_key_value_heads=4,
         decoder_dim=128,
+    ),
+    audio=AudioEncoderConfig(
+        encoder_layers=4,
+        encoder_attention_heads=5,
+        encoder_ffn_dim=640,
+        d_model=160,
+        output_dim=256,
+        downsample_hidden_size=60,
     ),
 )
 
