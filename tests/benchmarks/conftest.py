@@ -85,3 +85,8 @@ def overhead_run() -> BenchRun:
 @pytest.fixture(scope="session")
 def soak_run() -> BenchRun:
     return run_bench("soak", "--quick", "--json", "--minutes", "0.05")
+
+
+@pytest.fixture(scope="session")
+def realtime_run() -> BenchRun:
+    return run_bench("realtime", "--quick", "--json", "--sessions", "1,2")
