@@ -13,9 +13,10 @@ script at once:
    the reply's audio deltas, as they arrive, are played by a simulated player
    (``bench.speech.simulate_playback``): an underrun is a delta arriving after all audio before
    it finished playing;
-3. barge-in: a long reply starts (``barge_tokens``); at its first audio the session streams a
-   spoken sentence (the shipped ``audio/stop.flac``, 24 kHz, between ``lead_s`` and ``tail_s``
-   of silence) in 20 ms pieces at real-time pace. The server's VAD reports
+3. barge-in, once every session's text turn has ended: a long reply starts
+   (``barge_tokens``); at its first audio the session streams a spoken sentence (the shipped
+   ``audio/stop.flac``, 24 kHz, between ``lead_s`` and ``tail_s`` of silence) in 20 ms pieces
+   at real-time pace. The server's VAD reports
    ``speech_started`` (and cancels the reply) and later ``speech_stopped``.
 
 Then the same N text turns go, at once, through the turn-based baseline: ``POST
@@ -240,14 +241,23 @@ async def _text_turn(events: _Events, config: RealtimeConfig, figures: SessionFi
 
 
 class BargeIns:
-    """Counts the ``speech_started`` of a round's sessions; ``all_started`` is set at the
-    last one, whose arrival ``last`` holds."""
+    """A round's sessions in step: ``all_texts_done`` is set when every session's text turn
+    has ended (so no session's long reply loads the model while another's text turn is being
+    timed); ``all_started`` at the last ``speech_started``, whose arrival ``last`` holds."""
 
     def __init__(self, sessions: int) -> None:
         self.sessions = sessions
         self.last = 0.0
         self._count = 0
+        self._texts = 0
         self.all_started = anyio.Event()
+        self.all_texts_done = anyio.Event()
+
+    def text_done(self) -> None:
+        """One more session's text turn ended."""
+        self._texts += 1
+        if self._texts == self.sessions:
+            self.all_texts_done.set()
 
     def started(self, at: float) -> None:
         """One more session's ``speech_started`` arrived at ``at`` (``perf_counter``)."""
@@ -328,6 +338,9 @@ async def run_session(
         await events.send({"type": "session.update", "session": session})
         await events.until("session.updated")
         await _text_turn(events, config, figures)
+        if barge_ins is not None:
+            barge_ins.text_done()
+            await barge_ins.all_texts_done.wait()
         await _barge_in(events, config, speech, figures, barge_ins)
     return figures
 
