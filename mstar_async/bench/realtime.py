@@ -350,7 +350,8 @@ async def run_session(
 
 async def chat_ttfa(url: str, config: RealtimeConfig) -> float:
     """Seconds from sending a streamed spoken chat completion (the text turn's messages) to
-    its first chunk carrying audio; the rest of the reply is read and dropped.
+    its first chunk carrying audio; the rest of the reply is read and dropped. Cancel-safe:
+    the connection is closed (the server then cancels the request).
 
     Raises:
         RealtimeBenchError: an HTTP error, or a reply without audio.
