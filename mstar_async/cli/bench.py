@@ -46,6 +46,7 @@ BENCHMARKS = {
     "soak": Benchmark("mstar_async.bench.soak"),
     "load": Benchmark("mstar_async.bench.load"),
     "moe": Benchmark("mstar_async.bench.moe"),
+    "realtime": Benchmark("mstar_async.bench.realtime"),
 }
 
 #: The extra that installs each optional package, by its import name.
@@ -187,6 +188,7 @@ def add_bench_parser(sub: Any) -> None:
         _add_soak_parser,
         _add_load_parser,
         _add_moe_parser,
+        _add_realtime_parser,
     ):
         add(kinds)
 
@@ -674,4 +676,44 @@ def _moe(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], 
         module.preset(args.quick), **{k: v for k, v in given.items() if v is not None}
     )
     report = module.run_moe(config, ProgressLog())
+    return report, module.format_report(report)
+
+
+def _add_realtime_parser(kinds: Any) -> None:
+    realtime = _add(
+        kinds,
+        "realtime",
+        _realtime,
+        help="/v1/realtime sessions: barge-in, VAD delay, TTFA vs chat completions, underruns",
+        description=(
+            "N concurrent sessions against /v1/realtime of a server in this process (tiny "
+            "qwen3-omni and silero-vad): each runs a text turn, then speaks over a long reply. "
+            "Reports barge-in (speech_started to response.done and to KV free), server VAD's "
+            "detection delay against the speech's true onset and end, time to first audio "
+            "against the same turn through /v1/chat/completions, and playback underruns."
+        ),
+    )
+    if realtime is None:
+        return
+    realtime.add_argument("--quick", action="store_true", help="N=1,2, 4-token replies")
+    realtime.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    realtime.add_argument("--size", choices=("tiny", "small"), help="qwen3-omni size (tiny)")
+    realtime.add_argument("--sessions", type=_concurrency, help="session counts (1,4,8)")
+    realtime.add_argument(
+        "--reply-tokens", type=_positive, help="the text turn's max_output_tokens (8; --quick: 4)"
+    )
+    realtime.add_argument("--threads", type=_positive, help="torch threads (1)")
+
+
+def _realtime(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from mstar_async.bench.common import ProgressLog
+
+    config = module.configure(
+        module.preset(args.quick),
+        size=args.size,
+        sessions=args.sessions,
+        reply_tokens=args.reply_tokens,
+        threads=args.threads,
+    )
+    report = module.run_realtime_sync(config, ProgressLog())
     return report, module.format_report(report)

@@ -3,8 +3,11 @@
 GA clients nest audio settings (``session.audio.input.turn_detection``,
 ``session.audio.output.voice``, ``output_modalities``); beta clients send them flat
 (``turn_detection``, ``voice``, ``modalities``, ``input_audio_format``). Both are read; fields
-this server does not act on (tracing, transcription models, noise reduction) are ignored. Audio
-is pcm16 at 24 kHz both ways: another format is refused with an error naming the field.
+this server does not act on (tracing, truncation, transcription models, noise reduction) are
+ignored, and so is a field sent as null (clients built on typed models send every optional field;
+only ``turn_detection: null`` means something: commit by hand). Audio is pcm16 at 24 kHz both ways,
+at speed 1.0, in one of the model's voices: anything else is refused with an error naming the
+field.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class SessionConfig:
     tool_choice: str = "auto"
     temperature: float = 0.8
     max_output_tokens: int = 256
+    #: The model's voices (lower case); empty: any name is taken. Not sent to clients.
+    voices: tuple[str, ...] = ()
 
     @property
     def speaks(self) -> bool:
@@ -47,9 +52,18 @@ class SessionConfig:
         """
         if not isinstance(session, dict):
             raise RealtimeError("'session' must be an object", param="session")
+        if session.get("type", "realtime") not in ("realtime", None):
+            raise RealtimeError(
+                f"session.type {session['type']!r} is not served; this route holds 'realtime' "
+                "sessions (no transcription-only sessions)",
+                param="session.type",
+                code="unsupported_value",
+            )
         changes: dict[str, Any] = {}
+        session = _given(session)
         audio = _object(session, "audio")
         audio_in, audio_out = _object(audio, "input", "audio"), _object(audio, "output", "audio")
+        audio_in, audio_out = _given(audio_in), _given(audio_out)
         for name in ("output_modalities", "modalities"):
             if name in session:
                 changes["modalities"] = _modalities(session[name], name)
@@ -60,7 +74,16 @@ class SessionConfig:
             (audio_out, "voice", "audio.output.voice"),
         ):
             if key in where and where[key] is not None:
-                changes["voice"] = _text(where[key], param, limit=64)
+                changes["voice"] = self._voice(_voice_name(where[key], param), param)
+        for where, param in ((session, "speed"), (audio_out, "audio.output.speed")):
+            speed = where.get(param.rsplit(".", 1)[-1])
+            if speed is not None and speed != 1.0:
+                raise RealtimeError(
+                    f"{param}: only speed 1.0 is served (the model has no speed control), "
+                    f"got {speed!r}",
+                    param=param,
+                    code="unsupported_value",
+                )
         for where, key, param in (
             (session, "turn_detection", "turn_detection"),
             (audio_in, "turn_detection", "audio.input.turn_detection"),
@@ -85,6 +108,14 @@ class SessionConfig:
             if name in session:
                 changes["max_output_tokens"] = max_tokens(session[name], name)
         return replace(self, **changes)
+
+    def _voice(self, name: str, param: str) -> str:
+        if self.voices and name.lower() not in self.voices:
+            raise RealtimeError(
+                f"{param}: the model has no voice {name!r}; its voices: {', '.join(self.voices)}",
+                param=param,
+            )
+        return name.lower() if self.voices else name
 
     def as_json(self, *, beta: bool, session_id: str, model: str) -> dict[str, Any]:
         """The session object ``session.created`` / ``session.updated`` carry."""
@@ -134,6 +165,18 @@ def max_tokens(value: Any, param: str) -> int:
     raise RealtimeError(
         f"{param} must be an integer in [1, {MAX_OUTPUT_TOKENS}] or 'inf'", param=param
     )
+
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` without those sent as null, but for ``turn_detection`` (null: turned off)."""
+    return {k: v for k, v in fields.items() if v is not None or k == "turn_detection"}
+
+
+def _voice_name(value: Any, param: str) -> str:
+    """A voice given as a name or as ``{"id": name}``."""
+    if isinstance(value, dict) and isinstance(value.get("id"), str):
+        value = value["id"]
+    return _text(value, param, limit=64)
 
 
 def _object(parent: dict[str, Any], key: str, prefix: str = "") -> dict[str, Any]:

@@ -59,9 +59,17 @@ class ResponseRun:
     cancels it to stop the response (``finish`` is then called from the session)."""
 
     def __init__(
-        self, names: EventNames, config: SessionConfig, send: Send, model_rate: int
+        self,
+        names: EventNames,
+        config: SessionConfig,
+        send: Send,
+        model_rate: int,
+        *,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.id = new_id("resp")
+        self.metadata = metadata
+        self.error: dict[str, Any] | None = None
         self.names = names
         self.config = config
         self.send = send
@@ -91,15 +99,22 @@ class ResponseRun:
             "id": self.id,
             "object": "realtime.response",
             "status": self.status,
-            "status_details": None
-            if self.reason is None
-            else {"type": self.status, "reason": self.reason},
+            "status_details": self._status_details(),
             "output": [item.as_json(beta=self.names.beta) for item in output],
             "usage": self.usage or None,
+            "metadata": self.metadata,
         }
         modalities = list(self.config.modalities)
         body["modalities" if self.names.beta else "output_modalities"] = modalities
         return body
+
+    def _status_details(self) -> dict[str, Any] | None:
+        if self.reason is None and self.error is None:
+            return None
+        details: dict[str, Any] = {"type": self.status, "reason": self.reason}
+        if self.error is not None:
+            details["error"] = self.error
+        return details
 
     async def start(self) -> None:
         """Announce the response."""
@@ -213,10 +228,17 @@ class ResponseRun:
         elif isinstance(item, AudioChunk):
             await self.audio(item, previous_item_id)
 
-    async def finish(self, status: str, reason: str | None, usage: dict[str, int]) -> None:
-        """Close the message's parts and send ``response.done``. Idempotent in effect: the
-        session calls it once per response."""
-        self.status, self.reason, self.usage = status, reason, usage
+    async def finish(
+        self,
+        status: str,
+        reason: str | None,
+        usage: dict[str, int],
+        *,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        """Close the message's parts and send ``response.done`` (a failed response's
+        ``status_details`` carries ``error``). The session calls it once per response."""
+        self.status, self.reason, self.usage, self.error = status, reason, usage, error
         if self._parser is not None:
             rest = self._parser.flush()
             if rest and status == "completed":

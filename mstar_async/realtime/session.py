@@ -10,7 +10,10 @@ is committed as a user message and, with ``create_response``, a response starts.
 At most one response runs at a time. A response is one request of the model's program over the
 conversation; cancelling it (``response.cancel``, barge-in, the client leaving) closes that
 request, which frees its KV at once. Every refused client event is answered with an ``error``
-event and the session goes on.
+event and the session goes on; a response that fails (refused admission, a failure midway, or a
+turn server VAD committed that the model cannot read) ends as a ``failed`` ``response.done``
+with the error in its ``status_details``, which clients take as a failed turn, not a broken
+session.
 """
 
 from __future__ import annotations
@@ -211,10 +214,13 @@ class RealtimeSession:
                     if self.turns is None:
                         continue
                     turn = self.turns.frame(probability)
-                    if isinstance(turn, SpeechStarted):
-                        await self._speech_started(turn)
-                    elif isinstance(turn, SpeechStopped):
-                        await self._speech_stopped(turn)
+                    try:
+                        if isinstance(turn, SpeechStarted):
+                            await self._speech_started(turn)
+                        elif isinstance(turn, SpeechStopped):
+                            await self._speech_stopped(turn)
+                    except RealtimeError as refused:  # no client event to answer: report it
+                        await self.send(self.event("error", error=refused.body()))
         except MstarError as exc:  # the VAD failed: the session goes on with manual commits
             log.error("realtime.vad_failed", session=self.id, error=repr(exc))
             self.turns = None
@@ -252,7 +258,7 @@ class RealtimeSession:
         await self._commit(item_id, min(end, self.buffered))
         detection = self.config.turn_detection
         if detection is not None and detection.create_response and self.response is None:
-            await self._create_response({})
+            await self._create_response({}, server=True)
 
     async def _commit_event(self, event: dict[str, Any]) -> None:
         if self.buffered < MIN_COMMIT_SAMPLES:
@@ -354,16 +360,35 @@ class RealtimeSession:
     async def _response_create(self, event: dict[str, Any]) -> None:
         await self._create_response(event.get("response") or {})
 
-    async def _create_response(self, overrides: Any) -> None:
+    async def _create_response(self, overrides: Any, *, server: bool = False) -> None:
+        """Start a response over the conversation.
+
+        A client's ``response.create`` that cannot start raises (the client gets an ``error``
+        event naming its event); one the server starts itself (``server``: a turn server VAD
+        detected) that cannot start is announced and ended at once as a ``failed`` response,
+        the API's way of reporting a response's failure, which clients take as such and go on.
+
+        Raises:
+            RealtimeError: a client's response that cannot start (another is active, a bad
+                override, a conversation the model cannot read).
+        """
         if self.response is not None:
             raise RealtimeError(
                 f"the conversation already has an active response {self.response.id}; "
                 "wait for response.done or send response.cancel",
                 code="conversation_already_has_active_response",
             )
-        config = _response_config(self.config, overrides)
-        messages = self.conversation.messages(_system(config))
-        run = ResponseRun(self.names, config, self.send, self.model_rate)
+        config, metadata = _response_config(self.config, overrides)
+        try:
+            messages = self.conversation.messages(_system(config))
+        except RealtimeError as refused:
+            if not server:
+                raise
+            failed = ResponseRun(self.names, config, self.send, self.model_rate)
+            await failed.start()
+            await failed.finish("failed", refused.code, {}, error=refused.body())
+            return
+        run = ResponseRun(self.names, config, self.send, self.model_rate, metadata=metadata)
         self.response = run
         self._cancel_reason = "client_cancelled"
         scope = anyio.CancelScope()
@@ -380,6 +405,7 @@ class RealtimeSession:
         scope: anyio.CancelScope,
     ) -> None:
         status, reason, usage = "completed", None, {}
+        error: dict[str, Any] | None = None
         previous = self.conversation.last_id
         try:
             with scope:
@@ -390,8 +416,10 @@ class RealtimeSession:
             if scope.cancelled_caught:
                 status, reason = "cancelled", self._cancel_reason
         except RealtimeError as refused:
-            status, reason = "failed", refused.code
-            await self.send(self.event("error", error=refused.body()))
+            # Refused admission (the model's in-flight bound) or a failure midway: the
+            # response ends as failed, the error in its status_details, as the API reports a
+            # response's failure (an ``error`` event is for a client event the server refuses).
+            status, reason, error = "failed", refused.code, refused.body()
         finally:
             with anyio.CancelScope(shield=True):
                 for item in run.items:
@@ -400,7 +428,7 @@ class RealtimeSession:
                     self.spoken[run.message.id] = run.spoken
                 self.response = None
                 self._response_scope = None
-                await run.finish(status, reason, usage)
+                await run.finish(status, reason, usage, error=error)
 
     def _cancel_response(self, reason: str) -> None:
         if self._response_scope is not None:
@@ -408,11 +436,29 @@ class RealtimeSession:
             self._response_scope.cancel()
 
     async def _response_cancel(self, event: dict[str, Any]) -> None:
-        if self.response is None:
-            raise RealtimeError(
-                "there is no active response to cancel", code="response_cancel_not_active"
-            )
+        wanted = event.get("response_id")
+        if self.response is None or (wanted is not None and wanted != self.response.id):
+            which = "no active response" if wanted is None else f"no active response {wanted!r}"
+            raise RealtimeError(f"there is {which} to cancel", code="response_cancel_not_active")
         self._cancel_response("client_cancelled")
+
+    async def _item_retrieve(self, event: dict[str, Any]) -> None:
+        item_id = _string(event, "item_id")
+        try:
+            item = self.conversation.items[self.conversation.index(item_id)]
+        except RealtimeError as missing:
+            missing.code = "item_retrieve_invalid_item_id"
+            raise
+        await self.send(
+            self.event("conversation.item.retrieved", item=item.as_json(beta=self.names.beta))
+        )
+
+    async def _unsupported(self, event: dict[str, Any]) -> None:
+        raise RealtimeError(
+            f"{event['type']} is not served here: {_UNSUPPORTED[event['type']]}",
+            code="unsupported_event",
+            param="type",
+        )
 
 
 def _string(event: dict[str, Any], name: str) -> str:
@@ -422,27 +468,74 @@ def _string(event: dict[str, Any], name: str) -> str:
     return value
 
 
-def _response_config(config: SessionConfig, overrides: Any) -> SessionConfig:
+#: ``response.create`` fields that set the response's own settings, as ``session.update`` would.
+_RESPONSE_SETTINGS = (
+    "instructions",
+    "output_modalities",
+    "modalities",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "voice",
+    "output_audio_format",
+)
+MAX_METADATA_PAIRS = 16
+
+
+def _response_config(
+    config: SessionConfig, overrides: Any
+) -> tuple[SessionConfig, dict[str, str] | None]:
+    """The settings one response runs with, and the ``metadata`` it carries back.
+
+    Raises:
+        RealtimeError: a bad field, or an out-of-band response (``conversation: "none"``,
+            ``input``), which this server does not run.
+    """
     if not isinstance(overrides, dict):
         raise RealtimeError("'response' must be an object", param="response")
-    changes = {
-        k: v
-        for k, v in overrides.items()
-        if k
-        in (
-            "instructions",
-            "output_modalities",
-            "modalities",
-            "tools",
-            "tool_choice",
-            "temperature",
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides.get("conversation", "auto") != "auto" or "input" in overrides:
+        param = "response.input" if "input" in overrides else "response.conversation"
+        raise RealtimeError(
+            "out-of-band responses (conversation 'none', or an 'input' list) are not served; "
+            "a response reads the session's conversation",
+            param=param,
+            code="unsupported_value",
         )
-    }
+    changes = {k: v for k, v in overrides.items() if k in _RESPONSE_SETTINGS}
+    audio = overrides.get("audio")
+    if isinstance(audio, dict) and isinstance(audio.get("output"), dict):
+        changes["audio"] = {"output": audio["output"]}  # a response has no input settings
     updated = config.update(changes)
     for name in ("max_output_tokens", "max_response_output_tokens"):
         if name in overrides:
             updated = replace(updated, max_output_tokens=max_tokens(overrides[name], name))
-    return updated
+    return updated, _metadata(overrides.get("metadata"))
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """A response's ``metadata``: at most 16 string pairs (keys up to 64 characters, values up
+    to 512), given back on the response object.
+
+    Raises:
+        RealtimeError: anything else.
+    """
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA_PAIRS
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in value.items()
+        )
+    ):
+        raise RealtimeError(
+            f"response.metadata must be at most {MAX_METADATA_PAIRS} string pairs (keys up to "
+            "64 characters, values up to 512)",
+            param="response.metadata",
+        )
+    return dict(value)
 
 
 def _system(config: SessionConfig) -> str:
@@ -468,4 +561,13 @@ _HANDLERS: dict[str, Callable[[RealtimeSession, dict[str, Any]], Awaitable[None]
     "conversation.item.truncate": RealtimeSession._item_truncate,
     "response.create": RealtimeSession._response_create,
     "response.cancel": RealtimeSession._response_cancel,
+    "conversation.item.retrieve": RealtimeSession._item_retrieve,
 }
+#: Client events of the API this server knows and does not serve, and why.
+_UNSUPPORTED = {
+    "output_audio_buffer.clear": "the output audio buffer belongs to WebRTC and SIP connections; "
+    "over a websocket the client plays the audio itself: stop playback, send response.cancel "
+    "and conversation.item.truncate",
+    "transcription_session.update": "transcription-only sessions are not served",
+}
+_HANDLERS.update(dict.fromkeys(_UNSUPPORTED, RealtimeSession._unsupported))

@@ -6,7 +6,9 @@ read by a route:
 - the ``Host`` header must name an allowed host (a page in a browser can otherwise reach a
   server on loopback through DNS rebinding): 400;
 - with an API key set, every route but the health probes needs ``Authorization: Bearer
-  <key>``: 401 (compared in constant time);
+  <key>``: 401 (compared in constant time); a websocket may offer the key as the subprotocol
+  ``openai-insecure-api-key.<key>`` instead, as browsers (which cannot set headers on a
+  websocket) do for the Realtime API;
 - a request body may not exceed ``max_body_bytes``: 413, from ``Content-Length`` at once, or as
   soon as a chunked body passes the limit.
 
@@ -29,6 +31,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: Paths served without an API key: the liveness and readiness probes, which an orchestrator
 #: asks without credentials and which tell no more than whether the models are served.
 OPEN_PATHS = frozenset({"/health", "/health/ready"})
+#: The subprotocol prefix OpenAI's browser clients carry the key in on a websocket.
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
 def hosts_to_answer(option: str | None, bind_host: str) -> list[str] | None:
@@ -105,9 +109,9 @@ class Guard:
         if self.api_key is not None and scope.get("path") not in OPEN_PATHS:
             given = _header(scope, b"authorization") or ""
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.api_key.encode()
-            ):
+            if scheme.lower() != "bearer":
+                scheme, token = "bearer", _subprotocol_key(scope) or ""
+            if not token or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return (
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
@@ -155,6 +159,18 @@ class Guard:
         except Exception:
             if not refused:
                 raise
+
+
+def _subprotocol_key(scope: Scope) -> str | None:
+    """The key a browser's websocket offers as the subprotocol ``openai-insecure-api-key.KEY``
+    (a browser cannot set an Authorization header on a websocket); None for HTTP."""
+    if scope["type"] != "websocket":
+        return None
+    for protocol in scope.get("subprotocols") or ():
+        if protocol.startswith(KEY_SUBPROTOCOL):
+            key: str = protocol[len(KEY_SUBPROTOCOL) :]
+            return key
+    return None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -2,10 +2,11 @@
 chat messages (qwen3-omni: text and speech out; a text model: text out).
 
 Events are JSON text frames, as the API defines them (``mstar_async.realtime``); a client that
-sends ``OpenAI-Beta: realtime=v1`` gets the beta event names. Each response is one request of
-the model, admitted like any other (a model at its in-flight bound answers the response with
-an error event, not a closed socket). Server VAD runs on the ``silero-vad`` model the server
-opens beside the served ones.
+sends ``OpenAI-Beta: realtime=v1`` (or, from a browser, offers the subprotocol
+``openai-beta.realtime-v1``) gets the beta event names. Each response is one request of
+the model, admitted like any other (a model at its in-flight bound fails the response, with
+``rate_limit_exceeded`` in its ``status_details``, and the session goes on). Server VAD runs
+on the ``silero-vad`` model the server opens beside the served ones.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mstar_async.server.state import ServerState, server_state
 from mstar_async.server.tracked import TrackedRequest
 
 ROUTE = "/v1/realtime"
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 POLICY_VIOLATION = 1008
 #: The largest client event frame (an append of 15 MiB of audio is ~20 MiB of base64).
 MAX_EVENT_BYTES = 21 * 1024 * 1024
@@ -104,7 +106,9 @@ async def realtime(ws: WebSocket) -> None:
     protocols = ws.scope.get("subprotocols") or []
     await ws.accept(subprotocol="realtime" if "realtime" in protocols else None)
     state = server_state(ws)
-    beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+    # A browser cannot set headers on a websocket: OpenAI's browser clients name the dialect
+    # (and the key, which the guard reads) as subprotocols beside "realtime".
+    beta = "realtime=v1" in ws.headers.get("openai-beta", "") or BETA_SUBPROTOCOL in protocols
     try:
         name = ws.query_params.get("model")
         if not name:
@@ -130,7 +134,8 @@ async def realtime(ws: WebSocket) -> None:
         except (WebSocketDisconnect, RuntimeError, OSError):
             closed = True  # the client left; the session is being torn down
 
-    config = SessionConfig(modalities=("text", "audio") if rate else ("text",))
+    voices = tuple(str(v).lower() for v in served.runtime.model.info.get("voices", ()))
+    config = SessionConfig(modalities=("text", "audio") if rate else ("text",), voices=voices)
     session = RealtimeSession(
         send,
         _responder(state, served),

@@ -95,3 +95,8 @@ def load_run() -> BenchRun:
 @pytest.fixture(scope="session")
 def moe_run() -> BenchRun:
     return run_bench("moe", "--quick", "--json", "--tokens", "1,3", "--threads", "1")
+
+
+@pytest.fixture(scope="session")
+def realtime_run() -> BenchRun:
+    return run_bench("realtime", "--quick", "--json", "--sessions", "1,2")

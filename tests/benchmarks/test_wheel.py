@@ -53,6 +53,7 @@ def test_the_wheel_has_every_benchmark_module_and_the_prompts(wheel: zipfile.Zip
     for helper in ("__init__", "common", "report"):
         assert f"mstar_async/bench/{helper}.py" in names
     assert "mstar_async/bench/prompts/speech_en.txt" in names
+    assert "mstar_async/bench/audio/stop.flac" in names  # the realtime bench's spoken turn
     assert not any(name.startswith(("benchmarks/", "tests/")) for name in names)
 
 

@@ -277,6 +277,47 @@ BAD_EVENTS = [
     ),
     ({"type": "response.cancel"}, "response_cancel_not_active", None),
     (
+        {"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}},
+        "invalid_value",
+        "audio.output.voice",
+    ),
+    (
+        {"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}},
+        "unsupported_value",
+        "audio.output.speed",
+    ),
+    (
+        {"type": "session.update", "session": {"type": "transcription"}},
+        "unsupported_value",
+        "session.type",
+    ),
+    (
+        {"type": "response.create", "response": {"conversation": "none"}},
+        "unsupported_value",
+        "response.conversation",
+    ),
+    (
+        {"type": "response.create", "response": {"input": []}},
+        "unsupported_value",
+        "response.input",
+    ),
+    (
+        {"type": "response.create", "response": {"metadata": {"k": 1}}},
+        "invalid_value",
+        "response.metadata",
+    ),
+    (
+        {"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}},
+        "invalid_value",
+        "audio.output.voice",
+    ),
+    ({"type": "output_audio_buffer.clear"}, "unsupported_event", "type"),
+    (
+        {"type": "conversation.item.retrieve", "item_id": "nope"},
+        "item_retrieve_invalid_item_id",
+        "item_id",
+    ),
+    (
         {"type": "response.create", "response": {"max_output_tokens": "lots"}},
         "invalid_value",
         "max_output_tokens",
@@ -335,3 +376,121 @@ async def test_an_unknown_model_closes_with_an_error(live: Live) -> None:
         assert reply["type"] == "error" and reply["error"]["param"] == "model"
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()
+
+
+async def test_fields_sent_as_null_are_unset_and_metadata_comes_back(live: Live) -> None:
+    # Clients built on typed models (LiveKit's plugin, Pipecat's service) send every optional
+    # field, null where unset: that is no change, not a bad value.
+    async with connect(live) as conn:
+        await conn.session.update(
+            session={
+                **MANUAL,
+                "instructions": None,
+                "tracing": None,
+                "audio": {
+                    "input": {"turn_detection": None, "transcription": None, "format": None},
+                    "output": {"voice": "Chelsie", "speed": 1.0},
+                },
+            }
+        )
+        updated = await until(conn, "session.updated")
+        assert updated.session.audio.output.voice == "chelsie"
+        await conn.conversation.item.create(item=TEXT_TURN)
+        added = await until(conn, "conversation.item.added")
+        await conn.send(
+            {
+                "type": "response.create",
+                "response": {
+                    "instructions": None,
+                    "tools": None,
+                    "max_output_tokens": 4,
+                    "output_modalities": ["text"],
+                    "metadata": {"client_event_id": "turn-1"},
+                },
+            }
+        )
+        created = await until(conn, "response.created")
+        done = await until(conn, "response.done")
+        await conn.conversation.item.retrieve(item_id=added.item.id)
+        retrieved = await until(conn, "conversation.item.retrieved")
+    assert created.response.metadata == done.response.metadata == {"client_event_id": "turn-1"}
+    assert done.response.status == "completed"
+    assert retrieved.item.id == added.item.id
+    assert retrieved.item.content[0].text == "Tell me a story"
+
+
+async def test_a_vad_turn_the_model_cannot_hear_fails_its_response_not_the_session(
+    live: Live,
+) -> None:
+    async with connect(live) as conn:
+        detection = {"type": "server_vad", "silence_duration_ms": 500}  # creates responses
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+        )
+        await until(conn, "session.updated")
+        await send_audio(conn, with_silence(sentence("weather"), 0.6, 1.0, CLIENT_RATE))
+        seen: list[Any] = []
+        done = await until(conn, "response.done", seen)
+        # The session goes on: a text turn still gets a reply... once the unheard audio item
+        # is out of the conversation.
+        committed = next(e for e in seen if e.type == "input_audio_buffer.committed")
+        await conn.conversation.item.delete(item_id=committed.item_id)
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 4, "output_modalities": ["text"]})
+        assert (await until(conn, "response.done")).response.status == "completed"
+    kinds = [e.type for e in seen]
+    assert "error" not in kinds
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
+    assert done.response.status == "failed" and done.response.output == []
+    assert done.response.status_details.error.code == "audio_input_unsupported"
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[str]:
+    """A server admitting one request at a time, behind an API key."""
+    app = create_app([ModelSpec(build_model("qwen3-omni"))], max_concurrent=1, api_key="sekret")
+    with live_server(app) as url:
+        yield url.replace("http", "ws", 1) + "/v1/realtime?model=qwen3-omni"
+
+
+async def test_a_browser_names_its_key_and_dialect_as_subprotocols(bounded: str) -> None:
+    with pytest.raises(websockets.InvalidStatus):
+        async with websockets.connect(bounded, subprotocols=["realtime"]):
+            pass
+    protocols = ["realtime", "openai-insecure-api-key.sekret", "openai-beta.realtime-v1"]
+    async with websockets.connect(bounded, subprotocols=protocols) as ws:
+        assert ws.subprotocol == "realtime"
+        assert json.loads(await ws.recv())["session"]["modalities"] == ["text", "audio"]  # beta
+
+
+async def test_a_response_past_the_in_flight_bound_fails_with_rate_limit(bounded: str) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    async with (
+        websockets.connect(bounded, additional_headers=headers) as first,
+        websockets.connect(bounded, additional_headers=headers) as second,
+    ):
+        for ws in (first, second):
+            await ws.send(json.dumps({"type": "session.update", "session": MANUAL}))
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": TEXT_TURN}))
+        await first.send(
+            json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}})
+        )
+        await receive_until(first, "response.output_audio.delta")
+        await second.send(json.dumps({"type": "response.create"}))
+        kinds, done = await receive_until(second, "response.done")
+        await first.send(json.dumps({"type": "response.cancel"}))
+        await receive_until(first, "response.done")
+    assert "error" not in kinds
+    assert done["response"]["status"] == "failed"
+    assert done["response"]["status_details"]["error"]["code"] == "rate_limit_exceeded"
+
+
+async def receive_until(ws: Any, kind: str) -> tuple[list[str], dict[str, Any]]:
+    """The event types up to the first ``kind``, and that event."""
+    kinds = []
+    with anyio.fail_after(60):
+        while True:
+            event = json.loads(await ws.recv())
+            kinds.append(event["type"])
+            if event["type"] == kind:
+                return kinds, event
