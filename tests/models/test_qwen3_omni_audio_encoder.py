@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from mstar_async.models.checkpoints.streaming import StateDictSource, empty_module
 from mstar_async.models.qwen3_omni.audio_encoder import (
     AudioEncoder,
     AudioEncoderConfig,
@@ -16,7 +17,7 @@ from mstar_async.models.qwen3_omni.audio_encoder import (
 )
 from mstar_async.models.qwen3_omni.config import OmniConfig
 from mstar_async.models.qwen3_omni.decoder import seeded_init
-from mstar_async.models.qwen3_omni.weights import load_part
+from mstar_async.models.qwen3_omni.weights import load_upstream
 
 hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
 hf_config = pytest.importorskip("transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe")
@@ -51,9 +52,9 @@ def _one_thread() -> Iterator[None]:
 def encoders() -> tuple[Any, AudioEncoder]:
     upstream = hf.Qwen3OmniMoeAudioEncoder(hf_config.Qwen3OmniMoeAudioEncoderConfig(**AUDIO))
     seeded_init(upstream.eval(), 0)
-    ours = AudioEncoder(AudioEncoderConfig.from_hf(AUDIO)).eval()
+    ours = empty_module(lambda: AudioEncoder(AudioEncoderConfig.from_hf(AUDIO)))
     assert set(ours.state_dict()) == set(upstream.state_dict())
-    load_part(ours, upstream.state_dict(), "")
+    load_upstream(ours, StateDictSource(upstream.state_dict()), "")
     return upstream, ours
 
 
@@ -126,8 +127,8 @@ def test_the_tower_loads_from_either_checkpoint_layout(encoders: tuple[Any, Audi
     in_memory = {f"thinker.model.audio_tower.{k}": v for k, v in upstream.state_dict().items()}
     other = {"thinker.model.norm.weight": torch.ones(2), "talker.codec_head.weight": torch.ones(2)}
     for state in (released | other, in_memory | other):
-        fresh = AudioEncoder(ours.config)
-        load_part(fresh, audio_tower_state(state), "")
+        fresh = empty_module(lambda: AudioEncoder(ours.config))
+        load_upstream(fresh, StateDictSource(audio_tower_state(state)), "")
         for name, value in upstream.state_dict().items():
             assert torch.equal(fresh.state_dict()[name], value), name
     assert audio_tower_state(other) == {}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mstar_async.models.checkpoints.streaming import StateDictSource, empty_module
 from mstar_async.models.qwen3_omni import audio_features
 from mstar_async.models.qwen3_omni.audio_encoder import (
     AudioEncoder,
@@ -20,7 +21,7 @@ from mstar_async.models.qwen3_omni.audio_encoder import (
 )
 from mstar_async.models.qwen3_omni.audio_features import LogMelStream, log_mel, mel_filters
 from mstar_async.models.qwen3_omni.decoder import seeded_init
-from mstar_async.models.qwen3_omni.weights import load_part
+from mstar_async.models.qwen3_omni.weights import load_upstream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,9 +175,11 @@ def test_features_and_encoder_together_match_the_thinkers_audio_features() -> No
     )
     thinker = hf.Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
     seeded_init(thinker, 4)
-    ours = AudioEncoder(AudioEncoderConfig.from_hf(config.audio_config.to_dict())).eval()
+    ours = empty_module(
+        lambda: AudioEncoder(AudioEncoderConfig.from_hf(config.audio_config.to_dict()))
+    )
     state = {f"thinker.{k}": v for k, v in thinker.state_dict().items()}
-    load_part(ours, audio_tower_state(state), "")
+    load_upstream(ours, StateDictSource(audio_tower_state(state)), "")
     # 936 frames: windows of 800 and 136 frames, the last chunk 36 frames.
     pcm = _pcm(9.37, loudest=5.0, width=3.0)
     inputs = _whisper()(

@@ -52,8 +52,8 @@ _PREFIXES = ("thinker.audio_tower.", "thinker.model.audio_tower.")
 def audio_tower_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The audio tower's entries of a whole model's state dict, named as :class:`AudioEncoder`'s
     parameters (``thinker.audio_tower.`` or ``thinker.model.audio_tower.`` stripped); an empty
-    dict if it has none. Pure; raises nothing (loading them strictly is the caller's
-    ``load_part(encoder, audio_tower_state(state), "")``)."""
+    dict if it has none. Pure; raises nothing (to load them strictly:
+    ``load_upstream(empty_module(lambda: AudioEncoder(cfg)), StateDictSource(...), "")``)."""
     return {
         key[len(prefix) :]: value
         for key, value in state.items()
@@ -146,10 +146,14 @@ class AudioEncoderConfig:
 
 
 def _sinusoids(length: int, channels: int) -> torch.Tensor:
-    # Computed in float32 in upstream's order so the table matches its buffer bit for bit.
+    # Computed in float32 in upstream's order so the table matches its buffer bit for bit; on
+    # the CPU explicitly, so a module built on the meta device (to be loaded) still has it.
     increment = math.log(10_000) / (channels // 2 - 1)
-    inv_timescales = torch.exp(-increment * torch.arange(channels // 2, dtype=torch.float32))
-    scaled = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
+    steps = torch.arange(channels // 2, dtype=torch.float32, device="cpu")
+    inv_timescales = torch.exp(-increment * steps)
+    scaled = (
+        torch.arange(length, dtype=torch.float32, device="cpu")[:, None] * inv_timescales[None, :]
+    )
     return torch.cat([scaled.sin(), scaled.cos()], dim=1)
 
 
