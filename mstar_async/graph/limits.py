@@ -25,7 +25,9 @@ class ContextLimit:
     prompt tokens of a request's program inputs (the inputs it omits take the program's
     defaults); it raises ``ValueError`` or ``TypeError`` for inputs it cannot encode.
     ``generates``: the program input bounding how many tokens a request generates (None: the
-    model generates no tokens past its prompt).
+    model generates no tokens past its prompt). ``token_chars``: the most characters one token
+    of the model's tokenizer can stand for (None: unknown), so a prompt of more characters than
+    ``tokens * token_chars`` is known to be too long without counting it.
 
     Raises:
         ValueError: ``tokens`` is below 1.
@@ -34,6 +36,7 @@ class ContextLimit:
     tokens: int
     count: TokenCounter
     generates: str | None = "max_tokens"
+    token_chars: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens < 1:

@@ -224,5 +224,5 @@ def build_causal_lm(
         program=_program(tokenizer),
         components={"lm": factory},
         description=f"text generation from {folder}",
-        context=ContextLimit(context, _counter(tokenizer)),
+        context=ContextLimit(context, _counter(tokenizer), token_chars=tokenizer.max_token_chars),
     )

@@ -9,8 +9,10 @@
   refused too: there is nothing to continue.
 
 Every refusal is a 400 in OpenAI's shape naming the request field at fault, its length and the
-limit. Checking costs one tokenization of the prompt, on the event loop (the program encodes
-it again when it runs; for a prompt within the limit that is a few milliseconds).
+limit. A prompt of more characters than the context's tokens times the most characters one
+token stands for is refused without being tokenized; any other is tokenized once (the program
+encodes it again when it runs), on the event loop when short, on a worker thread when long, so
+no request body, however large, holds the loop for long.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from mstar_async.graph import ContextLimit
 from mstar_async.server.errors import APIError
@@ -30,6 +34,9 @@ PROMPT_INPUTS = ("messages", "prompt", "text")
 _DEFAULT_PROMPT_INPUTS = ("prompt", "text", "messages")
 #: OpenAI's code for a request longer than the model's context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+#: Prompts of up to this many characters are counted on the event loop (about a millisecond);
+#: longer ones on a worker thread.
+INLINE_COUNT_CHARS = 16_384
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,12 @@ class FieldNames:
 SAME_NAMES = FieldNames()
 
 
-def check_limits(
+async def check_limits(
     served: ServedModel, inputs: Mapping[str, Any], fields: FieldNames = SAME_NAMES
 ) -> None:
     """Refuse a request of ``served`` with program ``inputs`` that could never run; call it
     before any work or admission starts. Inputs of the wrong type are left to the program
-    (or ``ProgramInputs``) to refuse. Synchronous; never suspends.
+    (or ``ProgramInputs``) to refuse. Cancel-safe (a count on a thread finishes there).
 
     Raises:
         APIError: 400 naming ``fields(input)``: speech text over ``max_text_chars``; for a
@@ -68,8 +75,22 @@ def check_limits(
     if context is None:
         return
     budget = _budget(served, context, inputs, fields)
-    prompt = fields(_prompt_input(served, inputs))
-    tokens = _count(context, inputs, prompt)
+    name = _prompt_input(served, inputs)
+    prompt = fields(name)
+    chars = _chars(inputs.get(name))
+    if context.token_chars is not None and chars > context.tokens * context.token_chars:
+        raise APIError(
+            400,
+            f"{prompt} is {chars} characters, more than model {served.name!r} can take in "
+            f"{context.tokens} tokens (at most {context.token_chars} characters a token): "
+            f"shorten {prompt}",
+            param=prompt,
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    if chars <= INLINE_COUNT_CHARS:
+        tokens = _count(context, inputs, prompt)
+    else:
+        tokens = await anyio.to_thread.run_sync(_count, context, inputs, prompt)
     if tokens == 0:
         raise APIError(400, f"{prompt} is empty: send at least one token", param=prompt)
     if tokens + budget <= context.tokens:
@@ -131,6 +152,20 @@ def _prompt_input(served: ServedModel, inputs: Mapping[str, Any]) -> str:
     given = [name for name in PROMPT_INPUTS if inputs.get(name) is not None]
     taken = [name for name in _DEFAULT_PROMPT_INPUTS if name in served.inputs]
     return (given or taken or ["prompt"])[0]
+
+
+def _chars(value: Any, depth: int = 0) -> int:
+    """The characters of the strings in a prompt input (a string, or a conversation of nested
+    lists and objects); what is not text counts nothing."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 8:  # deeper than any conversation: the program refuses it
+        return 0
+    if isinstance(value, Mapping):
+        return sum(_chars(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_chars(v, depth + 1) for v in value)
+    return 0
 
 
 def _count(context: ContextLimit, inputs: Mapping[str, Any], prompt: str) -> int:

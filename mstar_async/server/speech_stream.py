@@ -131,7 +131,7 @@ class _Session:
         try:
             for text in segments:
                 inputs = {**speech_inputs(self.served, text, self.query.voice), **self.inputs}
-                check_limits(self.served, inputs)
+                await check_limits(self.served, inputs)
         except APIError as refused:
             await self.send({"type": "error", **refused.body()})
             return False

@@ -80,7 +80,7 @@ class TrackedRequest:
                 the model is at its in-flight bound; 500 when it fails.
         """
         arrived = time.perf_counter()
-        check_limits(served, inputs, fields)
+        await check_limits(served, inputs, fields)
         ticket = served.admission.try_enter()
         if ticket is None:
             raise APIError(

@@ -22,6 +22,7 @@ from mstar_async.models.checkpoints import (
     smollm2_folder,
 )
 from mstar_async.models.checkpoints import smollm2 as smollm2_module
+from mstar_async.models.checkpoints.tokenizer import LONG_TEXT_CHARS
 
 try:
     SMOLLM2_GGUF: Path | None = smollm2_module.smollm2_gguf_path()
@@ -71,6 +72,11 @@ def test_tokenizer_matches_transformers(folder: Path) -> None:
     assert ours.token_to_id("<|im_end|>") in ours.eos_token_ids
     text = "Digits 2024 and ½, héllo 世界 🙂"
     assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+    # A long text takes the path that releases the GIL: the same ids.
+    long = " ".join(f"{text} <|im_end|> {i}" for i in range(600))
+    assert len(long) > LONG_TEXT_CHARS
+    assert ours.encode(long) == theirs(long, add_special_tokens=False)["input_ids"]
+    assert ours.max_token_chars == 81  # its longest entry: a run of 80 spaces after a newline
 
 
 @needs_smollm2

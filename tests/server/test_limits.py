@@ -5,6 +5,8 @@ every route, before the request starts any work."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,3 +195,49 @@ def test_a_websocket_max_tokens_past_the_context_names_it(live: Live) -> None:
         ws.send(json.dumps({"type": "end"}))
         assert json.loads(ws.recv()) == {"type": "done"}
     assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(live: Live) -> None:
+    context = live.served().runtime.model.context
+    assert context is not None and context.token_chars is not None
+    chars = CONTEXT * context.token_chars + 1
+    error = refused(
+        live, "/v1/completions", {"model": "causal-lm", "prompt": "x" * chars, "max_tokens": 1}
+    )
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith(f"prompt is {chars} characters, more than ")
+
+
+def test_counting_a_long_prompt_leaves_the_server_answering() -> None:
+    # SmolLM2: 8192 tokens of up to 81 characters each, so a prompt of a few hundred thousand
+    # characters has to be tokenized to be refused; that takes a good fraction of a second.
+    model = build_model("causal-lm")
+    context = model.context
+    assert context is not None and context.token_chars is not None
+    prompt = "".join(f"the number {i} is written here. " for i in range(15_000))
+    assert 16_384 < len(prompt) < context.tokens * context.token_chars
+    started = time.perf_counter()
+    assert context.count({"prompt": prompt}) > context.tokens
+    counting = time.perf_counter() - started
+    with live_server(create_app([ModelSpec(model)])) as url:
+        waits: list[float] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                asked = time.perf_counter()
+                assert http("GET", url + "/health").status == 200
+                waits.append(time.perf_counter() - asked)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            reply = http("POST", url + "/v1/completions", {"model": "causal-lm", "prompt": prompt})
+        finally:
+            done.set()
+            poller.join()
+    assert reply.status == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+    # Counted on a worker thread: the loop kept answering, each answer in well under the time
+    # the count takes (measured here, under the same load).
+    assert len(waits) >= 3
+    assert max(waits) < counting / 2, (max(waits), counting)

@@ -360,5 +360,6 @@ def build_bagel(
             _context_tokens(config, cfg, torch_dtype, kv_cache_bytes),
             _counter(config),
             generates=None,
+            token_chars=1,  # a byte a token
         ),
     )

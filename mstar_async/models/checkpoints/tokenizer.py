@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -13,6 +14,8 @@ from mstar_async.models.checkpoints.chat_template import render_chat_template
 from mstar_async.models.checkpoints.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
+#: Texts longer than this are encoded with the GIL released (see ``ChatTokenizer.encode``).
+LONG_TEXT_CHARS = 16_384
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -141,6 +144,14 @@ class ChatTokenizer:
         """Number of ids the tokenizer can produce, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: its longest vocabulary entry (a byte-level
+        entry's length is its bytes, at least the characters it covers)."""
+        return max(
+            (len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
+
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token`` (exact vocabulary string), or ``None`` if it has none."""
         token_id = self._tokenizer.token_to_id(token)
@@ -150,7 +161,14 @@ class ChatTokenizer:
         """Token ids for ``text``; special-token strings inside it map to their ids.
 
         ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a leading BOS).
+        A long text is encoded with the GIL released, so a thread encoding it leaves the
+        process's other threads (an event loop) running.
         """
+        if len(text) > LONG_TEXT_CHARS:
+            # ``encode`` holds the GIL for the whole text (half a second for 500 KB here);
+            # ``encode_batch`` gives the same ids and lets other threads run meanwhile.
+            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -207,5 +207,9 @@ def build_orpheus(
         components={"lm": lm, "snac": codec},
         description=f"Orpheus TTS ({folder or size}) with SNAC ({snac_folder or size})",
         info={"sample_rate": SAMPLE_RATE, "voice_input": "voice", "voices": list(voices)},
-        context=ContextLimit(context, _counter(tokenizer, vocab, _DEFAULT_VOICE)),
+        context=ContextLimit(
+            context,
+            _counter(tokenizer, vocab, _DEFAULT_VOICE),
+            token_chars=tokenizer.max_token_chars,
+        ),
     )

@@ -495,6 +495,8 @@ def build_qwen3_omni(
             "voices": sorted(tokens.speakers),
         },
         context=ContextLimit(
-            _context_tokens(cfg, torch_dtype, kv_cache_bytes), _counter(tokenizer)
+            _context_tokens(cfg, torch_dtype, kv_cache_bytes),
+            _counter(tokenizer),
+            token_chars=tokenizer.max_token_chars,
         ),
     )
