@@ -101,7 +101,8 @@ def _config(hidden: int, experts: int, layers: int) -> dict[str, Any]:
         "model_type": "qwen3_omni_moe",
         "thinker_config": {
             "text_config": _text(hidden, layers, experts, _VOCAB + 3),
-            "audio_config": {"d_model": hidden},
+            # A consistent tower's config (the tower's tensors below are filler of its size).
+            "audio_config": {"d_model": hidden, "encoder_attention_heads": 8, "output_dim": hidden},
             "vision_config": {"hidden_size": hidden},
         },
         "talker_config": {

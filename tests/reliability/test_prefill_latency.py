@@ -20,7 +20,13 @@ from mstar_async.models import build_model
 from mstar_async.outputs import TextDelta
 from mstar_async.runtime import open_runtime
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(300),
+    # What is measured is the scheduler's chunking, not the event loop: one loop (the one
+    # servers run on) keeps the suite's time.
+    pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"]),
+]
 
 #: About 1,500 tokens of SmolLM2: a prompt that takes seconds to prefill on these CPUs.
 LONG_PROMPT = "The history of the city is long and full of turns. " * 125
