@@ -139,6 +139,16 @@ class Conversation:
         self.items.insert(at, item)
         return self.items[at - 1].id if at else None
 
+    def append_reply(self, item: Item) -> list[str]:
+        """Append an item of the model's reply, making room by dropping the oldest items when
+        the conversation is full (a reply is never lost for want of room, as the API's own
+        truncation drops the oldest turns); returns the ids dropped. Never raises."""
+        dropped = []
+        while len(self.items) >= MAX_ITEMS:
+            dropped.append(self.items.pop(0).id)
+        self.items.append(item)
+        return dropped
+
     def index(self, item_id: str, param: str = "item_id") -> int:
         """Where ``item_id`` is.
 

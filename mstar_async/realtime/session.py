@@ -423,7 +423,8 @@ class RealtimeSession:
         finally:
             with anyio.CancelScope(shield=True):
                 for item in run.items:
-                    self.conversation.add(item)
+                    for gone in self.conversation.append_reply(item):
+                        self.spoken.pop(gone, None)
                 if run.message.spoken:
                     self.spoken[run.message.id] = run.spoken
                 self.response = None

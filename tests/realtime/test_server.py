@@ -494,3 +494,32 @@ async def receive_until(ws: Any, kind: str) -> tuple[list[str], dict[str, Any]]:
             kinds.append(event["type"])
             if event["type"] == kind:
                 return kinds, event
+
+
+async def test_twenty_turns_leave_nothing_behind(live: Live) -> None:
+    served = live.app.state.server.models["qwen3-omni"]
+    vad = live.app.state.server.vad
+    assert vad is not None
+    async with connect(live) as conn:
+        await conn.session.update(session={"type": "realtime"})  # server VAD on
+        await until(conn, "session.updated")
+        await send_audio(conn, np.zeros(CLIENT_RATE // 5, np.float32))  # the VAD stream opens
+        for turn in range(20):
+            await conn.conversation.item.create(item=TEXT_TURN)
+            modalities = ["audio"] if turn % 5 == 0 else ["text"]
+            await conn.response.create(
+                response={"max_output_tokens": 3, "output_modalities": modalities}
+            )
+            assert (await until(conn, "response.done")).response.status == "completed"
+    # The socket is closed: every request, walk, KV block and VAD stream of it is gone.
+    with anyio.fail_after(10):
+        while (  # noqa: ASYNC110  (other threads' and engines' counts: no event)
+            live.kv_blocks()
+            or served.admission.in_flight
+            or served.runtime.conductor.active
+            or served.runtime.batching.walks_running
+            or vad.batching.walks_running
+            or vad.batching.engines["vad"].streams
+            or vad.conductor.active
+        ):
+            await anyio.sleep(0.02)

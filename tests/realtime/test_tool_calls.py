@@ -138,3 +138,19 @@ async def test_a_call_becomes_a_function_call_item_and_its_output_reaches_the_mo
     assert seen[1][-2]["content"].startswith("<tool_call>")
     assert seen[1][-1] == {"role": "tool", "content": '{"sky": "sunny"}'}
     assert first["usage"] == {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8}
+
+
+def test_a_full_conversation_drops_its_oldest_items_for_a_reply() -> None:
+    from mstar_async.realtime.conversation import MAX_ITEMS, Conversation, Message
+    from mstar_async.realtime.events import RealtimeError
+
+    conversation = Conversation()
+    first = Message("user", "hello")
+    conversation.add(first)
+    for _ in range(MAX_ITEMS - 1):
+        conversation.add(Message("user", "more"))
+    with pytest.raises(RealtimeError, match="holds 512 items"):
+        conversation.add(Message("user", "one too many"))
+    reply = Message("assistant", "still heard")
+    assert conversation.append_reply(reply) == [first.id]
+    assert len(conversation.items) == MAX_ITEMS and conversation.items[-1] is reply
