@@ -44,9 +44,8 @@ from mstar_async.models import build_model
 from mstar_async.models.checkpoints import load_checkpoint, read_config
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav
 from mstar_async.models.qwen3_omni.config import OmniConfig
-from mstar_async.models.qwen3_omni.talker import Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
-from mstar_async.models.qwen3_omni.weights import OmniWeights
+from mstar_async.models.qwen3_omni.weights import OmniWeights, build_talker
 
 __all__ = [
     "RANKS",
@@ -171,14 +170,7 @@ def _eager(folder: Path, parts: Sequence[str]) -> tuple[list[Any], dict[str, Any
     cfg = OmniConfig.from_hf(checkpoint.config)
     modules = {
         "thinker.": Thinker(cfg.thinker, cfg.thinker_vocab),
-        "talker.": Talker(
-            cfg.talker,
-            vocab=cfg.talker_vocab,
-            thinker_hidden=cfg.thinker.hidden_size,
-            predictor=cfg.predictor,
-            codebook_size=cfg.codebook_size,
-            groups=cfg.num_code_groups,
-        ),
+        "talker.": build_talker(cfg),
         "code2wav.": Code2Wav(cfg.code2wav),
     }
     for prefix, module in modules.items():

@@ -30,8 +30,8 @@ from mstar_async.models.checkpoints import smollm2_folder
 from mstar_async.models.checkpoints.streaming import empty_module
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav
 from mstar_async.models.qwen3_omni.config import OmniConfig
-from mstar_async.models.qwen3_omni.talker import Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
+from mstar_async.models.qwen3_omni.weights import build_talker
 
 __all__ = ["OmniFolder", "omni_config_json", "write_omni_folder"]
 
@@ -139,19 +139,9 @@ def _config(hidden: int, experts: int, layers: int) -> dict[str, Any]:
 def _parts(config: dict[str, Any]) -> list[tuple[str, torch.nn.Module]]:
     cfg = OmniConfig.from_hf(config)
 
-    def talker() -> Talker:
-        return Talker(
-            cfg.talker,
-            vocab=cfg.talker_vocab,
-            thinker_hidden=cfg.thinker.hidden_size,
-            predictor=cfg.predictor,
-            codebook_size=cfg.codebook_size,
-            groups=cfg.num_code_groups,
-        )
-
     return [
         ("thinker.", empty_module(lambda: Thinker(cfg.thinker, cfg.thinker_vocab))),
-        ("talker.", empty_module(talker)),
+        ("talker.", empty_module(lambda: build_talker(cfg))),
         ("code2wav.", empty_module(lambda: Code2Wav(cfg.code2wav))),
     ]
 

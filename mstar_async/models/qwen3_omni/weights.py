@@ -139,7 +139,9 @@ def _speak_softly(code2wav: Code2Wav, seed: int) -> None:
                 param.mul_(SEEDED_RMS / rms)
 
 
-def _talker(cfg: OmniConfig) -> Talker:
+def build_talker(cfg: OmniConfig) -> Talker:
+    """The talker (with its code predictor) of ``cfg``, with fresh weights (on the meta device
+    under ``empty_module``). Raises ``ValueError`` as ``Talker`` does."""
     return Talker(
         cfg.talker,
         vocab=cfg.talker_vocab,
@@ -171,7 +173,7 @@ _PARTS = {
         (),
         within=("thinker", "model.embed_tokens"),
     ),
-    "talker": _Part(_talker, "talker.", ("talker.",), seed=1),
+    "talker": _Part(build_talker, "talker.", ("talker.",), seed=1),
     "code_predictor": _Part(
         lambda c: CodePredictor(c.predictor, c.codebook_size, c.num_code_groups),
         "talker.code_predictor.",
