@@ -32,6 +32,7 @@ from anyio.abc import TaskGroup
 
 from mstar_async.errors import MstarError
 from mstar_async.logs import get_logger
+from mstar_async.realtime.audio_buffer import AudioBuffer
 from mstar_async.realtime.config import SessionConfig, max_tokens
 from mstar_async.realtime.conversation import Conversation, Message, parse_item
 from mstar_async.realtime.events import EventNames, RealtimeError, new_id
@@ -43,8 +44,6 @@ from mstar_async.runtime import Runtime
 
 log = get_logger("mstar_async.realtime")
 
-#: Uncommitted input audio a session may hold (16 kHz samples): two minutes.
-MAX_BUFFER_SAMPLES = 120 * SAMPLE_RATE
 #: One ``input_audio_buffer.append``'s decoded audio: 15 MiB, as the API allows.
 MAX_APPEND_BYTES = 15 * 1024 * 1024
 #: The least audio a commit takes: 100 ms.
@@ -88,9 +87,7 @@ class RealtimeSession:
         self.conversation = Conversation()
         self.spoken: dict[str, Spoken] = {}
         self.resampler = PcmResampler()
-        self.buffer: list[np.ndarray] = []
-        self.buffered = 0  # samples in ``buffer``
-        self.buffer_start = 0  # session samples before the buffer's first
+        self.buffer = AudioBuffer()
         self.pending_item: str | None = None  # the user item a detected turn will commit
         self.turns = (
             None
@@ -181,18 +178,9 @@ class RealtimeSession:
         except (binascii.Error, ValueError):
             raise RealtimeError("'audio' is not valid base64", param="audio") from None
         samples = self.resampler.push(pcm)
-        if self.buffered + samples.size > MAX_BUFFER_SAMPLES:
-            raise RealtimeError(
-                f"the input audio buffer holds {MAX_BUFFER_SAMPLES // SAMPLE_RATE} s at most; "
-                "commit or clear it",
-                code="input_audio_buffer_full",
-                param="audio",
-            )
-        if samples.size:
-            self.buffer.append(samples)
-            self.buffered += samples.size
-            if self.turns is not None:
-                await self._to_vad(samples)
+        self.buffer.append(samples)
+        if samples.size and self.turns is not None:
+            await self._to_vad(samples)
 
     async def _to_vad(self, samples: np.ndarray) -> None:
         if self._vad_in is None:
@@ -252,28 +240,26 @@ class RealtimeSession:
                 "input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_end_ms, item_id=item_id
             )
         )
-        end = turn.audio_end_ms * SAMPLE_RATE // 1000 - self.buffer_start
+        end = self.buffer.samples_until(turn.audio_end_ms)
         if end < MIN_COMMIT_SAMPLES:
             return  # a buffer cleared mid-turn: nothing of the turn is left
-        await self._commit(item_id, min(end, self.buffered))
+        await self._commit(item_id, end)
         detection = self.config.turn_detection
         if detection is not None and detection.create_response and self.response is None:
             await self._create_response({}, server=True)
 
     async def _commit_event(self, event: dict[str, Any]) -> None:
-        if self.buffered < MIN_COMMIT_SAMPLES:
+        if self.buffer.samples < MIN_COMMIT_SAMPLES:
             raise RealtimeError(
-                f"buffer too small: it holds {self.buffered * 1000 // SAMPLE_RATE} ms of audio, "
-                "a commit needs at least 100 ms",
+                f"buffer too small: it holds {self.buffer.samples * 1000 // SAMPLE_RATE} ms of "
+                "audio, a commit needs at least 100 ms",
                 code="input_audio_buffer_commit_empty",
             )
-        await self._commit(self.pending_item or new_id("item"), self.buffered)
+        await self._commit(self.pending_item or new_id("item"), self.buffer.samples)
         self.pending_item = None
 
     async def _commit(self, item_id: str, samples: int) -> None:
-        audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
-        self._take_buffer(samples, audio)
-        message = Message("user", audio=audio[:samples], id=item_id)
+        message = Message("user", audio=self.buffer.take(samples), id=item_id)
         previous = self.conversation.add(message)
         await self.send(
             self.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
@@ -293,16 +279,8 @@ class RealtimeSession:
             )
         )
 
-    def _take_buffer(self, samples: int, audio: np.ndarray | None = None) -> None:
-        if audio is None:
-            audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
-        rest = audio[samples:]
-        self.buffer = [rest] if rest.size else []
-        self.buffered = int(rest.size)
-        self.buffer_start += samples
-
     async def _clear(self, event: dict[str, Any]) -> None:
-        self._take_buffer(self.buffered)
+        self.buffer.take(self.buffer.samples)
         if self.turns is not None:
             self.turns.reset()
         self.pending_item = None
