@@ -21,7 +21,7 @@ from mstar_async.errors import KVCacheFull
 from mstar_async.models import build_model
 from mstar_async.server import ModelSpec, ServedModel, create_app
 from tests.server.live import http as request
-from tests.server.live import live_server
+from tests.server.live import live_server, server_tasks
 from tests.server.test_bad_requests import BAD
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,17 +107,24 @@ class Server:
         assert reply.status == 200, reply.body
         assert reply.json()["usage"]["completion_tokens"] <= 3
 
-    def wait_clean(self, fds: int, threads: int, within: float = 10.0) -> None:
-        """Every request gone, every KV block and ticket back, fds and threads at baseline."""
+    def wait_clean(self, fds: int, threads: int, tasks: int, within: float = 10.0) -> None:
+        """Every request gone, every KV block and ticket back, fds, threads and the server
+        loop's asyncio tasks at baseline."""
         deadline = time.monotonic() + within
         while True:
             state = self._state()
-            if state == (0, 0, 0) and _fds() <= fds + 2 and threading.active_count() <= threads:
+            running = server_tasks(self.url)
+            if (
+                state == (0, 0, 0)
+                and _fds() <= fds + 2
+                and threading.active_count() <= threads
+                and running <= tasks
+            ):
                 return
             assert time.monotonic() < deadline, (
                 f"after {within} s: (KV blocks, requests, tickets) {state}, "
                 f"fds {_fds()} (baseline {fds}), threads {threading.active_count()} "
-                f"(baseline {threads})"
+                f"(baseline {threads}), server tasks {running} (baseline {tasks})"
             )
             time.sleep(0.02)
 
@@ -147,23 +154,23 @@ def server(tiny_folder: Path) -> Iterator[Server]:
         yield srv
 
 
-def _baseline(server: Server) -> tuple[int, int]:
-    server.wait_clean(fds=10_000, threads=10_000)
-    return _fds(), threading.active_count()
+def _baseline(server: Server) -> tuple[int, int, int]:
+    server.wait_clean(fds=10_000, threads=10_000, tasks=10_000)
+    return _fds(), threading.active_count(), server_tasks(server.url)
 
 
 def test_a_storm_of_clients_leaving_mid_stream_leaks_nothing(server: Server) -> None:
-    fds, threads = _baseline(server)
+    fds, threads, tasks = _baseline(server)
     streams = [server.open_stream() for _ in range(24)]
     assert server.served.runtime.conductor.active
     for reply in streams:  # all at once, without reading the rest
         reply.close()
-    server.wait_clean(fds, threads)
+    server.wait_clean(fds, threads, tasks)
     server.answers()
 
 
 def test_a_slow_reader_does_not_hold_up_other_requests(server: Server) -> None:
-    fds, threads = _baseline(server)
+    fds, threads, tasks = _baseline(server)
     slow = server.open_stream()
     slow.read(1)  # then nothing for a while: its buffers fill and its request waits
     started = time.monotonic()
@@ -171,7 +178,7 @@ def test_a_slow_reader_does_not_hold_up_other_requests(server: Server) -> None:
         server.answers()
     assert time.monotonic() - started < 30
     slow.close()
-    server.wait_clean(fds, threads)
+    server.wait_clean(fds, threads, tasks)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +189,7 @@ def test_a_slow_reader_does_not_hold_up_other_requests(server: Server) -> None:
 def test_a_forward_that_fails_mid_stream_fails_its_requests_alone(
     server: Server, error: BaseException
 ) -> None:
-    fds, threads = _baseline(server)
+    fds, threads, tasks = _baseline(server)
     streams = [server.open_stream() for _ in range(4)]
     failed_before = server.engine.failed
     server.engine.fail_next = error
@@ -195,12 +202,12 @@ def test_a_forward_that_fails_mid_stream_fails_its_requests_alone(
     assert any('"error"' in body for body in ended)
     for body in ended:
         assert body.rstrip().endswith("data: [DONE]") or '"error"' in body
-    server.wait_clean(fds, threads)
+    server.wait_clean(fds, threads, tasks)
     server.answers()
 
 
 def test_bad_and_over_long_inputs_are_refused_and_leave_nothing(server: Server) -> None:
-    fds, threads = _baseline(server)
+    fds, threads, tasks = _baseline(server)
     text_routes = ("/v1/completions", "/v1/chat/completions")
     bad = [
         (route, body)
@@ -220,5 +227,5 @@ def test_bad_and_over_long_inputs_are_refused_and_leave_nothing(server: Server) 
     for route, body in bad:
         reply = request("POST", server.url + route, body, timeout=60)
         assert 400 <= reply.status < 500, (route, reply.body[:200])
-    server.wait_clean(fds, threads)
+    server.wait_clean(fds, threads, tasks)
     server.answers()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -16,6 +17,9 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
+#: The event loop serving each live server, by base URL (for ``server_tasks``).
+_LOOPS: dict[str, asyncio.AbstractEventLoop] = {}
+
 
 @contextmanager
 def live_server(app: Starlette, *, loop: str = "asyncio") -> Iterator[str]:
@@ -29,19 +33,44 @@ def live_server(app: Starlette, *, loop: str = "asyncio") -> Iterator[str]:
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, loop=loop, lifespan="on", log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    event_loop = _new_loop(loop)
+    thread = threading.Thread(
+        target=event_loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start (see the log above)")
         time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    _LOOPS[url] = event_loop
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.should_exit = True
         thread.join(30)
+        _LOOPS.pop(url, None)
         sock.close()
+        if not thread.is_alive():
+            event_loop.close()
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def server_tasks(url: str) -> int:
+    """How many asyncio tasks the live server at ``url`` runs now (on its own loop)."""
+
+    async def count() -> int:
+        return len(asyncio.all_tasks()) - 1  # this counting task
+
+    return asyncio.run_coroutine_threadsafe(count(), _LOOPS[url]).result(timeout=10)
 
 
 @dataclass
