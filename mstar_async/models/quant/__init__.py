@@ -5,10 +5,13 @@ inputs) on torch's own weight-only kernels.
   ``fit`` puts a float matrix or GGUF blocks into a scheme's layout (``weights``).
 - ``QuantLinear``: a linear layer packed for a kernel (``linear``); ``require_kernels`` says up
   front whether this torch has the kernels for a device (``kernels``).
+- ``FORMS`` and ``quantize_linears``: the named weight forms and the swap of a
+  ``PagedDecoder``'s linears while its weights are read (``decoder``).
 """
 
 from __future__ import annotations
 
+from mstar_async.models.quant.decoder import FORMS, QuantizedSource, quantize_linears
 from mstar_async.models.quant.kernels import KERNELS, missing_kernels, require_kernels
 from mstar_async.models.quant.linear import QuantLinear
 from mstar_async.models.quant.weights import (
@@ -21,14 +24,17 @@ from mstar_async.models.quant.weights import (
 )
 
 __all__ = [
+    "FORMS",
     "INT4_GROUP_SIZE",
     "KERNELS",
     "SCHEMES",
     "QuantLinear",
+    "QuantizedSource",
     "QuantizedWeight",
     "fit",
     "missing_kernels",
     "quantize_int4",
     "quantize_int8",
+    "quantize_linears",
     "require_kernels",
 ]
