@@ -7,6 +7,7 @@
     ├── SessionClosed         text was pushed to a speech session that takes no more input
     ├── EngineError           an engine could not run a step (bad op, bad shapes, missing outputs)
     │   └── KVCacheFull       the paged KV cache has no free block for a step
+    ├── QuantizationUnsupported  this torch has no weight-only kernel a quantized form needs here
     ├── RequestError          a request failed; ``__cause__`` holds what went wrong inside it
     │   └── RequestCancelled  the request was cancelled before it finished
     ├── WorkerLost            a worker process died with requests in flight
@@ -48,6 +49,11 @@ class EngineError(MstarError):
 
 class KVCacheFull(EngineError):
     """The paged KV cache has no free block left for a step."""
+
+
+class QuantizationUnsupported(MstarError):
+    """A quantized weight form was asked for on a device where this torch build lacks one of
+    the weight-only kernels it runs on; the message names the operators and the device."""
 
 
 class RequestError(MstarError):

@@ -96,11 +96,14 @@ __all__ = [
     "DecodeConfig",
     "Measurement",
     "Prompt",
+    "RuntimeSystem",
     "build_prompts",
     "check_tokens",
     "configure",
+    "contamination",
     "format_report",
     "kv_cache_bytes_for",
+    "measure",
     "preset",
     "run_decode",
     "run_decode_sync",
@@ -118,7 +121,7 @@ SYSTEMS = ("one-worker", "runtime", "handloop", "transformers")
 RATIOS = (("runtime", "transformers"), ("runtime", "handloop"), ("one-worker", "runtime"))
 
 #: The dtypes measured, by the names ``causal-lm`` takes.
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 #: Block size of the engine's paged KV cache (the engine default).
 _KV_BLOCK_SIZE = 16
@@ -466,7 +469,7 @@ async def _run_requests(
     return requests
 
 
-class _RuntimeSystem:
+class RuntimeSystem:
     """``causal-lm`` served by an open runtime; requests come from concurrent tasks."""
 
     name = "runtime"
@@ -703,7 +706,7 @@ class _Configuration:
 
     def contaminated(self) -> int:
         """Repetitions kept although another process competed for the CPUs during them."""
-        return sum(_contamination(r) > self.limit for r in self.rounds)
+        return sum(contamination(r) > self.limit for r in self.rounds)
 
     def to_json(self) -> dict[str, Any]:
         systems: dict[str, Any] = {}
@@ -740,7 +743,7 @@ class _Configuration:
 _JUDGED_SECONDS = 1.0
 
 
-def _contamination(measured: dict[str, Measurement]) -> float:
+def contamination(measured: dict[str, Measurement]) -> float:
     """The most cores other processes used during any (long enough) measurement of a
     repetition."""
     return max(
@@ -764,10 +767,10 @@ def check_tokens(measurement: Measurement) -> Measurement:
     return measurement
 
 
-_System = _RuntimeSystem | _OneWorkerSystem | _HandLoopSystem | _TransformersSystem
+_System = RuntimeSystem | _OneWorkerSystem | _HandLoopSystem | _TransformersSystem
 
 
-async def _measure(
+async def measure(
     system: _System,
     prompts: Sequence[Prompt],
     new_tokens: int,
@@ -784,7 +787,7 @@ async def _measure(
     # The one-worker system's worker process computes for it: its CPU time is not foreign.
     children = system.worker_pids() if isinstance(system, _OneWorkerSystem) else []
     before: CpuSample = cpu_sample(children)
-    if isinstance(system, _RuntimeSystem | _OneWorkerSystem):
+    if isinstance(system, RuntimeSystem | _OneWorkerSystem):
         measurement = await system.measure(prompts, new_tokens)
     elif isinstance(system, _TransformersSystem):
         # The baselines compute on a worker thread, as the runtime's engine does, so every
@@ -813,7 +816,7 @@ async def _repetition(
     """
     measured: dict[str, Measurement] = {}
     for name in order:
-        m = await _measure(systems[name], prompts, config.new_tokens, config.transformers_requests)
+        m = await measure(systems[name], prompts, config.new_tokens, config.transformers_requests)
         measured[name] = m
         others = "" if m.foreign_cores is None else f"; other processes {m.foreign_cores:.2f} cores"
         progress(
@@ -866,7 +869,7 @@ async def _open_systems(
         )
         yield {
             "one-worker": _OneWorkerSystem(worker),
-            "runtime": _RuntimeSystem(runtime),
+            "runtime": RuntimeSystem(runtime),
             "handloop": hand,
             "transformers": transformers_system,
         }
@@ -891,7 +894,7 @@ async def _warm_up(
         # The transformers baseline runs one request at a time: one warm-up is enough.
         levels = (1,) if name == "transformers" else config.concurrency
         for n in levels:
-            await _measure(system, prompts[:n], warm, None)
+            await measure(system, prompts[:n], warm, None)
 
 
 async def _run_concurrency(
@@ -915,7 +918,7 @@ async def _run_concurrency(
         label = f"{dtype} N={n} repetition {rep + 1}/{config.repeat}"
         for attempt in range(config.retries + 1):
             measured = await _repetition(config, systems, prompts, order, label, progress)
-            load = _contamination(measured)
+            load = contamination(measured)
             if load <= config.max_foreign_cores or attempt == config.retries:
                 break
             # Another process competed for the 2 cores: these figures say more about it than

@@ -165,7 +165,13 @@ def _positive(text: str) -> int:
     return value
 
 
-_DTYPE_CHOICES = {"bf16": ("bfloat16",), "fp32": ("float32",), "both": ("bfloat16", "float32")}
+_DTYPE_CHOICES = {
+    "bf16": ("bfloat16",),
+    "fp16": ("float16",),
+    "fp32": ("float32",),
+    "both": ("bfloat16", "float32"),
+    "all": ("bfloat16", "float16", "float32"),
+}
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -224,7 +230,9 @@ def _add_decode_parser(kinds: Any) -> None:
         help="time every sequential transformers request instead of extrapolating from 4",
     )
     decode.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    decode.add_argument("--dtype", choices=sorted(_DTYPE_CHOICES), help="default: both")
+    decode.add_argument(
+        "--dtype", choices=sorted(_DTYPE_CHOICES), help="default: both (--quantize: all)"
+    )
     decode.add_argument(
         "--concurrency", type=_concurrency, help="comma-separated request counts (1,8,32)"
     )
@@ -244,10 +252,49 @@ def _add_decode_parser(kinds: Any) -> None:
     decode.add_argument(
         "--folder", type=Path, help="a Llama/Qwen2 checkpoint folder (default: SmolLM2-135M)"
     )
+    decode.add_argument(
+        "--quantize",
+        type=_forms,
+        metavar="FORMS",
+        help=(
+            "compare weight forms instead of systems: these quantized forms (int8,int4 or "
+            "all) beside the unquantized dtypes (--dtype; default all three), each one's "
+            "quality against float32 and its runtime tokens/s at --concurrency (1,32)"
+        ),
+    )
+
+
+def _forms(text: str) -> tuple[str, ...]:
+    from mstar_async.models.quant import FORMS
+
+    names = tuple(FORMS) if text == "all" else tuple(p for p in text.split(",") if p.strip())
+    unknown = [name for name in names if name not in FORMS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected forms among {', '.join(FORMS)} (comma-separated) or all, got {text!r}"
+        )
+    return names
 
 
 def _decode(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    base = module.preset("quick" if args.quick else "full" if args.full else "default")
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    if args.quantize:
+        from mstar_async.bench import decode_forms
+
+        forms = decode_forms.configure(
+            decode_forms.forms_preset(mode),
+            folder=args.folder,
+            dtypes=_DTYPE_CHOICES[args.dtype] if args.dtype else None,
+            quantize=args.quantize,
+            concurrency=args.concurrency,
+            new_tokens=args.new_tokens,
+            prompt_tokens=args.prompt_tokens,
+            repeat=args.repeat,
+            retries=args.retries,
+        )
+        report = decode_forms.run_forms_sync(forms)
+        return report, decode_forms.format_forms_report(report)
+    base = module.preset(mode)
     config = module.configure(
         base,
         folder=args.folder,

@@ -102,6 +102,10 @@ BUILD_OPTIONS = {
     "path": ("PATH", "a real checkpoint: a folder, or a file for vjepa2"),
     "snac_path": ("FOLDER", "a real SNAC codec folder (config.json, pytorch_model.bin)"),
     "size": ("SIZE", "the seeded model's size: tiny, small (vjepa2: also vitg)"),
+    "quantize": (
+        "FORM",
+        "weight form: auto (the embedded SmolLM2's measured default), none, int8, int4",
+    ),
 }
 
 #: How the type of an input's default is named in an error.
@@ -109,14 +113,15 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _accepts(entry: ModelEntry, option: str) -> bool:
+def accepts(entry: ModelEntry, option: str) -> bool:
+    """Whether the builder of ``entry`` takes the option ``option`` by name."""
     parameter = inspect.signature(entry.build).parameters.get(option)
     return parameter is not None and parameter.kind is not inspect.Parameter.VAR_KEYWORD
 
 
 def _takers(option: str) -> list[str]:
     """The models whose builders take ``option``."""
-    return [entry.name for entry in list_models() if _accepts(entry, option)]
+    return [entry.name for entry in list_models() if accepts(entry, option)]
 
 
 def _flag(name: str) -> str:
@@ -194,7 +199,8 @@ def parse_inputs(model: Model, extra: list[str]) -> dict[str, Any]:
 
 
 def build_options(entry: ModelEntry, args: argparse.Namespace) -> dict[str, Any]:
-    """The builder options ``args`` gives (``--path``, ``--snac-path``, ``--size``).
+    """The builder options ``args`` gives (``--path``, ``--snac-path``, ``--size``,
+    ``--quantize``).
 
     Raises:
         MstarError: the model's builder takes no such option, or a path does not exist.
@@ -204,7 +210,7 @@ def build_options(entry: ModelEntry, args: argparse.Namespace) -> dict[str, Any]
         value = getattr(args, option, None)
         if value is None:
             continue
-        if not _accepts(entry, option):
+        if not accepts(entry, option):
             takers = ", ".join(_takers(option))
             raise MstarError(
                 f"model {entry.name!r} takes no {_flag(option)} (models that do: {takers})"

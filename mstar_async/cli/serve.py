@@ -70,6 +70,12 @@ def add_serve_parser(sub: Any) -> None:
         "for causal-lm)",
     )
     serve.add_argument(
+        "--quantize",
+        metavar="FORM",
+        help="weight form of the served models that take one (causal-lm): auto (the embedded "
+        "SmolLM2's measured default), none, int8, int4",
+    )
+    serve.add_argument(
         "--placement",
         action="append",
         default=[],
@@ -176,14 +182,22 @@ def _specs(args: argparse.Namespace) -> list[Any]:
     Raises:
         MstarError: a model, a placement, ``--path`` or the address is wrong.
     """
-    from mstar_async.cli.run import build_options
+    from mstar_async.cli.run import accepts, build_options
     from mstar_async.models import build_model, model_entry
     from mstar_async.server import ModelSpec
 
     if args.path is not None and len(args.models) != 1:
         raise MstarError("--path is the checkpoint of one model: serve one model with it")
     entries = [model_entry(name) for name in args.models]
-    options = [build_options(entry, args) for entry in entries]
+    # --quantize goes to the served models that take it, the others are served as they are.
+    takers = [entry.name for entry in entries if accepts(entry, "quantize")]
+    if args.quantize is not None and not takers:
+        raise MstarError(f"--quantize: none of {', '.join(args.models)} takes a weight form")
+    plain = argparse.Namespace(**{**vars(args), "quantize": None})
+    options = [build_options(entry, plain) for entry in entries]
+    for entry, option in zip(entries, options, strict=True):
+        if args.quantize is not None and entry.name in takers:
+            option["quantize"] = args.quantize
     where = placements(args.models, args.placement)
     check_port(args.host, args.port)
     specs = []

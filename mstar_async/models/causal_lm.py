@@ -35,14 +35,44 @@ from mstar_async.models.checkpoints import (
     read_config,
     smollm2_folder,
 )
+from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
+from mstar_async.models.checkpoints.smollm2 import smollm2_gguf_path
 from mstar_async.models.context import decoder_context
 from mstar_async.models.llama import DecoderConfig, PagedDecoder
+from mstar_async.models.quant.decoder import FORMS
+from mstar_async.models.quant.kernels import require_kernels
 from mstar_async.models.registry import register
 from mstar_async.models.stop_strings import StopStrings
 from mstar_async.outputs import TextDelta, TextEnd
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+#: The weight form ``quantize="auto"`` gives the embedded SmolLM2 in bfloat16.
+SMOLLM2_FORM: str | None = "int4"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def load_decoder(
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    quantize: str | None = None,
+    gguf: Path | None = None,
+) -> PagedDecoder:
+    """The decoder of the checkpoint in ``folder`` on ``device``, read tensor by tensor, in
+    ``dtype`` or, with ``quantize``, its linears in that weight form (see
+    ``PagedDecoder.from_source``). ``gguf`` names a GGUF file to read the weights from instead
+    of the folder's safetensors (its blocks are kept where the form takes them). Blocks on the
+    reads.
+
+    Raises:
+        CheckpointError: a file is missing or unreadable.
+        ValueError: the weights do not match the config; ``quantize`` names no form.
+        QuantizationUnsupported: the form needs a kernel this torch lacks on ``device``.
+    """
+    config = read_config(folder)
+    source = GGUFTensors(gguf, config) if gguf is not None else SafetensorsFolder(folder)
+    return PagedDecoder.from_source(config, source, dtype=dtype, device=device, quantize=quantize)
 
 
 def build_lm_engine(
@@ -52,17 +82,15 @@ def build_lm_engine(
     kv_cache_bytes: int,
     device: str,
     compile: bool | str,
+    quantize: str | None = None,
+    gguf: Path | None = None,
 ) -> KVCacheEngine:
-    """Stream the checkpoint in ``folder`` onto ``device`` (tensor by tensor, in ``dtype``) and
-    wrap it in a ``KVCacheEngine``. Blocks on the reads.
+    """``load_decoder`` wrapped in a ``KVCacheEngine``. Blocks on the reads.
 
     Raises:
-        CheckpointError: a file of the folder is missing or unreadable.
-        ValueError: the weights do not match the config.
+        As ``load_decoder``.
     """
-    model = PagedDecoder.from_source(
-        read_config(folder), SafetensorsFolder(folder), dtype=dtype, device=device
-    )
+    model = load_decoder(folder, dtype=dtype, device=device, quantize=quantize, gguf=gguf)
     return KVCacheEngine(
         model,
         model.attention_spec(dtype),
@@ -168,11 +196,34 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
     return program
 
 
+def weight_form(quantize: str | None, *, embedded: bool, dtype: str) -> str | None:
+    """The weight form ``quantize`` asks for: ``None`` (unquantized), ``"int8"`` or ``"int4"``.
+
+    ``"auto"`` is ``SMOLLM2_FORM`` for the embedded SmolLM2 (``embedded``) in bfloat16, the
+    form measured fastest within its quality bounds (``docs/benchmarks.md``), and unquantized
+    otherwise (no quality has been measured for other checkpoints or dtypes); ``"none"`` and
+    ``None`` are unquantized.
+
+    Raises:
+        ValueError: ``quantize`` is none of those.
+    """
+    if quantize == "auto":
+        return SMOLLM2_FORM if embedded and dtype == "bfloat16" else None
+    if quantize is None or quantize == "none":
+        return None
+    if quantize not in FORMS:
+        raise ValueError(
+            f"quantize must be one of auto, none, {', '.join(FORMS)}; got {quantize!r}"
+        )
+    return quantize
+
+
 @register("causal-lm", "a Llama/Qwen2 checkpoint folder (default SmolLM2-135M-Instruct) for text")
 def build_causal_lm(
     path: str | Path | None = None,
     *,
     dtype: str = "bfloat16",
+    quantize: str | None = "auto",
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     device: str = "cpu",
     compile: bool | str = False,
@@ -183,15 +234,23 @@ def build_causal_lm(
     The tokenizer and the config load here; the weights load when the engine is built on its
     worker. A request's prompt plus ``max_tokens`` may not pass the smaller of the config's
     ``max_position_embeddings`` and the tokens ``kv_cache_bytes`` holds (``model.context``).
+    ``quantize`` picks the weight form (``weight_form``): the embedded SmolLM2 reads a
+    quantized form's weights straight from its GGUF blocks, a folder's safetensors are
+    quantized as they load; activations, the embedding and the norms stay in ``dtype``.
 
     Raises:
         CheckpointError: the folder lacks a file it needs (the message names it).
-        ValueError: ``dtype`` is not bfloat16, float16 or float32; the config is not a
-            supported decoder; ``kv_cache_bytes`` fits no KV block.
+        ValueError: ``dtype`` is not bfloat16, float16 or float32; ``quantize`` names no form;
+            the config is not a supported decoder; ``kv_cache_bytes`` fits no KV block.
+        QuantizationUnsupported: the form needs a kernel this torch lacks on ``device``.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    form = weight_form(quantize, embedded=path is None, dtype=dtype)
+    if form is not None:
+        require_kernels(FORMS[form][0], device)
     folder = Path(path) if path is not None else smollm2_folder()
+    gguf = smollm2_gguf_path() if path is None and form is not None else None
     tokenizer = ChatTokenizer.from_folder(folder)
     config = DecoderConfig.from_hf(read_config(folder))
     context = decoder_context(config, dtype=_DTYPES[dtype], kv_cache_bytes=kv_cache_bytes)
@@ -212,7 +271,10 @@ def build_causal_lm(
         kv_cache_bytes=kv_cache_bytes,
         device=device,
         compile=compile,
+        quantize=form,
+        gguf=gguf,
     )
+    weights = "" if form is None else f" ({form} weights{' from its GGUF blocks' if gguf else ''})"
     return Model(
         "causal-lm",
         nodes=nodes,
@@ -223,6 +285,6 @@ def build_causal_lm(
         ],
         program=_program(tokenizer),
         components={"lm": factory},
-        description=f"text generation from {folder}",
+        description=f"text generation from {folder}{weights}",
         context=ContextLimit(context, _counter(tokenizer), token_chars=tokenizer.max_token_chars),
     )

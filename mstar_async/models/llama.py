@@ -18,7 +18,7 @@ their state dicts load unchanged (:meth:`PagedDecoder.from_checkpoint`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from mstar_async.models.checkpoints.streaming import (
     empty_module,
     load_weights,
 )
+from mstar_async.models.quant.decoder import FORMS, quantize_linears
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -410,7 +411,7 @@ class _Attention(nn.Module):
         self.q_proj = _Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
         self.k_proj = _Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.v_proj = _Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = _Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj: nn.Module = _Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -437,7 +438,9 @@ class _MLP(nn.Module):
         super().__init__()
         self.gate_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj: nn.Module = _Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -458,6 +461,9 @@ class _DecoderLayer(nn.Module):
         self._qkv_bias: torch.Tensor | None = None
         self._gate_up_weight: torch.Tensor | None = None
         self._gate_up_bias: torch.Tensor | None = None
+        # Set by ``use_quantized``: fused projections that replace the float weights.
+        self.qkv_proj: nn.Module | None = None
+        self.gate_up_proj: nn.Module | None = None
 
     def fuse(self) -> None:
         """Lay q/k/v and gate/up out as one matrix each, the upstream parameters becoming views
@@ -466,15 +472,49 @@ class _DecoderLayer(nn.Module):
         self._qkv_weight, self._qkv_bias = _fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self._gate_up_weight, self._gate_up_bias = _fuse_linears(mlp.gate_proj, mlp.up_proj)
 
+    def use_quantized(
+        self, qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module, down_proj: nn.Module
+    ) -> None:
+        """Run the projections through these modules (quantized linears: ``qkv`` gives the q,
+        k and v rows in that order, ``gate_up`` the gate rows then the up rows) and drop the
+        float q/k/v and gate/up projections. Never raises."""
+        attn, mlp = self.self_attn, self.mlp
+        for owner, name in (
+            (attn, "q_proj"),
+            (attn, "k_proj"),
+            (attn, "v_proj"),
+            (mlp, "gate_proj"),
+            (mlp, "up_proj"),
+        ):
+            delattr(owner, name)
+        attn.o_proj, mlp.down_proj = o_proj, down_proj
+        self.qkv_proj, self.gate_up_proj = qkv, gate_up
+        self._qkv_weight = self._qkv_bias = self._gate_up_weight = self._gate_up_bias = None
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_proj is not None:
+            out: torch.Tensor = self.qkv_proj(x)
+            return out
+        if self._qkv_weight is None:
+            self.fuse()
+        assert self._qkv_weight is not None
+        return F.linear(x, self._qkv_weight, self._qkv_bias)
+
+    def _gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            out: torch.Tensor = self.gate_up_proj(x)
+            return out
+        if self._gate_up_weight is None:
+            self.fuse()
+        assert self._gate_up_weight is not None
+        return F.linear(x, self._gate_up_weight, self._gate_up_bias)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: PagedAttention
     ) -> torch.Tensor:
-        if self._qkv_weight is None or self._gate_up_weight is None:
-            self.fuse()
-        assert self._qkv_weight is not None and self._gate_up_weight is not None
         attn = self.self_attn
         n, d = x.shape[0], attn.head_dim
-        qkv = F.linear(self.input_layernorm(x), self._qkv_weight, self._qkv_bias)
+        qkv = self._qkv(self.input_layernorm(x))
         split = self._qk_heads * d
         qk = rotate(qkv[:, :split].view(n, self._qk_heads, d), cos, sin)
         q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]
@@ -484,9 +524,7 @@ class _DecoderLayer(nn.Module):
                 f"attention returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             )
         x = x + attn.o_proj(out.reshape(n, attn.num_heads * d))
-        gate_up = F.linear(
-            self.post_attention_layernorm(x), self._gate_up_weight, self._gate_up_bias
-        )
+        gate_up = self._gate_up(self.post_attention_layernorm(x))
         hidden = F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
         out2: torch.Tensor = x + self.mlp.down_proj(hidden)
         return out2
@@ -535,7 +573,8 @@ class PagedDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.model = _Model(config)
-        self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A ``QuantLinear`` when the head is quantized (``use_quantized``).
+        self.lm_head: nn.Module = _Linear(config.hidden_size, config.vocab_size, bias=False)
         self._tie()
         # Plain attributes, not buffers: ``.to(bfloat16)`` must not round the frequencies, and
         # they must not appear in the state dict.
@@ -544,7 +583,28 @@ class PagedDecoder(nn.Module):
 
     def _tie(self) -> None:
         if self.config.tie_word_embeddings:
+            assert isinstance(self.lm_head, nn.Linear)
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_quantized(
+        self,
+        layers: Sequence[tuple[nn.Module, nn.Module, nn.Module, nn.Module]],
+        head: nn.Module | None,
+    ) -> None:
+        """Run each layer's projections through quantized linears, ``(qkv, o_proj, gate_up,
+        down_proj)`` per layer (see ``_DecoderLayer.use_quantized``), and the head through
+        ``head`` unless it is ``None``; the float weights they replace are dropped.
+
+        Raises:
+            ValueError: not one entry per layer.
+        """
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers' linears, got {len(layers)}")
+        for layer, linears in zip(self.model.layers, layers, strict=True):
+            assert isinstance(layer, _DecoderLayer)
+            layer.use_quantized(*linears)
+        if head is not None:
+            self.lm_head = head
 
     def _apply(self, fn: Any, recurse: bool = True) -> PagedDecoder:
         # .to() / .cuda() replace parameter storage: lay the fused matrices out again after.
@@ -581,6 +641,7 @@ class PagedDecoder(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quantize: str | None = None,
     ) -> PagedDecoder:
         """Build from a Hugging Face ``config.json`` dict, reading the weights tensor by tensor
         from ``source`` (a ``SafetensorsFolder`` streams them from disk) straight into ``dtype``
@@ -588,22 +649,37 @@ class PagedDecoder(nn.Module):
 
         With tied embeddings ``lm_head.weight`` may be absent (and is ignored if present: the
         head is the embedding, as upstream). ``*rotary_emb.inv_freq`` keys from old checkpoints
-        are ignored. Blocks on the reads.
+        are ignored. ``quantize`` (a name of ``quant.FORMS``: ``"int8"``, ``"int4"``) runs the
+        layers' linears and the head through weight-only kernels, reading a GGUF source's
+        blocks as they are and quantizing float weights as they are read; activations, the
+        embedding and the norms stay in ``dtype``. Blocks on the reads.
 
         Raises:
             ValueError: the config is unsupported or invalid (see :meth:`DecoderConfig.from_hf`);
-                ``dtype`` is not a floating type; or keys are missing or unexpected, or shapes
-                differ (the message lists them), found before any tensor is read.
+                ``dtype`` is not a floating type; ``quantize`` names no form; or keys are
+                missing or unexpected, or shapes differ (the message lists them), found before
+                any tensor is read.
+            QuantizationUnsupported: ``quantize`` needs a kernel this torch lacks on ``device``.
             CheckpointError: a weight file cannot be read.
         """
         cfg = DecoderConfig.from_hf(config)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        if quantize is not None and quantize not in FORMS:
+            raise ValueError(f"quantize must be one of {sorted(FORMS)} or None, got {quantize!r}")
         model = empty_module(lambda: cls(cfg))
+        consumed: set[str] = set()
+        if quantize is not None:
+            layers, head = FORMS[quantize]
+            consumed = quantize_linears(
+                model, source, layers, head=head, dtype=dtype, device=device
+            )
 
         def claimed(name: str) -> bool:
-            return not name.endswith(_IGNORED_KEY_SUFFIXES) and not (
-                cfg.tie_word_embeddings and name == "lm_head.weight"
+            return (
+                name not in consumed
+                and not name.endswith(_IGNORED_KEY_SUFFIXES)
+                and not (cfg.tie_word_embeddings and name == "lm_head.weight")
             )
 
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,9 +144,16 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_gguf(
-    path: Path, model: Any, tokenizer: Tokenizer, *, pre: str, chat_template: str
+    path: Path,
+    model: Any,
+    tokenizer: Tokenizer,
+    *,
+    pre: str,
+    chat_template: str,
+    kinds: Mapping[str, gguf.GGMLQuantizationType] | None = None,
 ) -> None:
-    """Write ``model`` + ``tokenizer`` as an F32 Llama GGUF, as llama.cpp's converter would."""
+    """Write ``model`` + ``tokenizer`` as a Llama GGUF, as llama.cpp's converter would: every
+    tensor F32, or the type ``kinds`` gives its GGUF name (quantized by ``gguf.quants``)."""
     config = model.config
     tied = bool(config.tie_word_embeddings)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -188,7 +196,12 @@ def write_gguf(
             data = reference_permute(data, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             data = reference_permute(data, config.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(data.numpy()))
+        values = np.ascontiguousarray(data.numpy())
+        kind = (kinds or {}).get(_gguf_name(name), gguf.GGMLQuantizationType.F32)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), values)
+        else:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

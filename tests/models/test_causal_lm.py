@@ -10,9 +10,17 @@ import anyio
 import pytest
 import torch
 
+from mstar_async.bench.quality import greedy_continuations
+from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.errors import KVCacheFull, RequestError
-from mstar_async.models.causal_lm import build_causal_lm
+from mstar_async.models.causal_lm import (
+    SMOLLM2_FORM,
+    build_causal_lm,
+    load_decoder,
+    weight_form,
+)
 from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.models.quant import QuantLinear
 from mstar_async.outputs import TextDelta, TextEnd
 from mstar_async.runtime import open_runtime
 from tests.requests import collect_text
@@ -229,3 +237,35 @@ async def test_text_end_counts_tokens_and_says_why_it_stopped(tiny_folder: Path)
         assert isinstance(end, TextEnd) and end.finish_reason == "stop"
         assert end.completion_tokens < 7
         assert runtime.batching.engines["lm"].blocks_in_use == 0
+
+
+def test_weight_form_resolution() -> None:
+    assert weight_form("auto", embedded=True, dtype="bfloat16") == SMOLLM2_FORM
+    # No quality was measured for other checkpoints or dtypes: auto leaves them unquantized.
+    assert weight_form("auto", embedded=False, dtype="bfloat16") is None
+    assert weight_form("auto", embedded=True, dtype="float32") is None
+    assert weight_form("none", embedded=True, dtype="bfloat16") is None
+    assert weight_form(None, embedded=True, dtype="bfloat16") is None
+    assert weight_form("int8", embedded=False, dtype="float32") == "int8"
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, int8, int4"):
+        weight_form("fp8", embedded=False, dtype="bfloat16")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("form", ["int8", "int4"])
+async def test_quantized_causal_lm_serves_its_quantized_decoder(
+    tiny_folder: Path, form: str
+) -> None:
+    model = build_causal_lm(tiny_folder, quantize=form)
+    assert f"({form} weights)" in model.description
+    tokenizer = ChatTokenizer.from_folder(tiny_folder)
+    reference = load_decoder(tiny_folder, dtype=torch.bfloat16, device="cpu", quantize=form)
+    engine = KVCacheEngine(
+        reference, reference.attention_spec(), num_layers=reference.num_layers, kv_cache_bytes=2**22
+    )
+    want = greedy_continuations(engine, [tokenizer.encode(PROMPTS[0])], 12)[0]
+    async with open_runtime(model) as runtime:
+        served = runtime.batching.engines["lm"].model
+        assert isinstance(served.lm_head, QuantLinear)
+        text = await collect_text(runtime, prompt=PROMPTS[0], max_tokens=12, ignore_eos=True)
+    assert text == tokenizer.decode(want)

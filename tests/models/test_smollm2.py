@@ -9,6 +9,8 @@ import pytest
 
 from mstar_async.cli import main
 from mstar_async.models import build_model
+from mstar_async.models.causal_lm import SMOLLM2_FORM
+from mstar_async.models.quant import QuantLinear
 from mstar_async.outputs import TextDelta
 from mstar_async.runtime import open_runtime
 
@@ -51,3 +53,13 @@ def test_chat_answer_and_concurrent_greedy_requests_match_alone() -> None:
     assert "Paris" in alone[0]
     assert max_batch > 1
     assert [together[i] for i in range(len(alone))] == alone
+
+
+def test_the_default_form_is_read_from_the_gguf_blocks() -> None:
+    model = build_model("causal-lm")
+    assert f"({SMOLLM2_FORM} weights from its GGUF blocks)" in model.description
+    engine = model.components["lm"]()
+    assert isinstance(engine.model.model.layers[0].qkv_proj, QuantLinear)
+    assert engine.model.model.layers[0].qkv_proj.scheme == SMOLLM2_FORM
+    unquantized = build_model("causal-lm", quantize="none")
+    assert "weights" not in unquantized.description

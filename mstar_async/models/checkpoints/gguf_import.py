@@ -15,19 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from mstar_async.models.checkpoints.errors import CheckpointError
+from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
 from mstar_async.models.checkpoints.gguf_tokenizer import build_tokenizer, tokenizer_config
-from mstar_async.models.checkpoints.llama_layout import (
-    deinterleave_rope_rows,
-    hf_name,
-    is_rope_projection,
-)
 from mstar_async.models.checkpoints.staging import publish, staging_dir
 
 IMPORT_MARKER = ".mstar_import.json"
@@ -131,38 +125,21 @@ def generation_config(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_llama_weights(
-    reader: GGUFReader, config: Mapping[str, Any], progress: Progress | None = None
+    path: Path, config: Mapping[str, Any], progress: Progress | None = None
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor of ``reader`` to float32 under its Hugging Face name.
+    """Dequantize every tensor of the GGUF file ``path`` to float32 under its Hugging Face name.
 
     Shapes come out as torch expects them (``[out_features, in_features]``) and q/k rows are put
-    back in Hugging Face rotary order. Raises ``CheckpointError`` for a tensor with no Llama
-    counterpart or whose element count does not match its declared shape.
+    back in Hugging Face rotary order (``GGUFTensors.read``). Raises ``CheckpointError`` for a
+    tensor with no Llama counterpart or a type that cannot be dequantized.
     """
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config["num_key_value_heads"])
-    total = len(reader.tensors)
+    source = GGUFTensors(path, config)
+    names = list(source.shapes())
     state: dict[str, torch.Tensor] = {}
-    for done, tensor in enumerate(reader.tensors, start=1):
-        name = hf_name(tensor.name)
-        # GGUF lists dimensions fastest-first (ne[0] = in_features); torch wants them reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if values.size != int(np.prod(shape)):
-            raise CheckpointError(
-                f"GGUF tensor {tensor.name} dequantized to {values.size} values, "
-                f"but its shape {shape} needs {int(np.prod(shape))}"
-            )
-        values = values.reshape(shape)
-        if not values.flags.writeable:
-            # Unquantized tensors come back as views of the read-only memory map.
-            values = values.copy()
-        weight = torch.from_numpy(values)
-        if is_rope_projection(name):
-            weight = deinterleave_rope_rows(weight, heads if "q_proj" in name else kv_heads)
+    for done, (name, weight) in enumerate(source.read(names), start=1):
         state[name] = weight
-        if progress is not None and (done == total or done % max(1, total // 10) == 0):
-            progress(f"dequantized {done}/{total} tensors")
+        if progress is not None and (done == len(names) or done % max(1, len(names) // 10) == 0):
+            progress(f"dequantized {done}/{len(names)} tensors")
     return state
 
 
@@ -239,7 +216,7 @@ def import_gguf(
     say(f"tokenizer: {vocab_size} tokens, {len(meta['tokenizer.ggml.merges'])} merges")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = llama_config(meta, vocab_size=vocab_size, tied=tied)
-    state = read_llama_weights(reader, config, say)
+    state = read_llama_weights(source, config, say)
     _check_weights(state, config)
     n_params = sum(t.numel() for t in state.values())
 

@@ -97,6 +97,7 @@ def add_frame_grammar(model: PagedDecoder, vocab: OrpheusVocab, seed: int) -> No
     basis = basis.to(model.dtype)
     embed = model.model.embed_tokens.weight
     head = model.lm_head.weight
+    assert isinstance(head, torch.Tensor)  # orpheus builds its decoder unquantized
     with torch.no_grad():
         for position in range(CODES_PER_FRAME):
             rows = slice(
