@@ -84,7 +84,7 @@ class SpeechEncoder(nn.Module):
             raise ValueError(f"encode expects one utterance [samples], got {tuple(pcm.shape)}")
         param = next(self.parameters())
         with torch.inference_mode():
-            out = self.encoder.encode(  # type: ignore[operator]
+            out = self.encoder.encode(
                 pcm.to(param.device, param.dtype)[None, None], return_dict=True
             )
         codes: torch.Tensor = out.audio_codes[0, : self.valid]
