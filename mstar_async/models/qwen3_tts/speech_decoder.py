@@ -227,7 +227,7 @@ class SpeechDecoder(nn.Module):
             frames = chunk.data[: len(chunk.data) - chunk.lookahead].long()
             context = chunk.context
             before = prime[i] if prime is not None else None
-            if before is not None and before.numel() and chunk.start - chunk.context == 0:
+            if before is not None and before.numel() and chunk.start == 0:
                 want = max(0, left_context - context)
                 extra = before[before.shape[0] - min(want, before.shape[0]) :].long()
                 frames = torch.cat([extra.to(frames.device), frames])

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mstar_async.models.checkpoints import CheckpointError, SafetensorsFolder
-from mstar_async.models.checkpoints.streaming import empty_module
+from mstar_async.models.checkpoints.streaming import TensorSource, empty_module
 from mstar_async.models.qwen3_omni.decoder import seeded_init
 from mstar_async.models.qwen3_omni.weights import SEEDED_RMS, load_upstream
 from mstar_async.models.qwen3_tts.config import TTSConfig
@@ -177,7 +177,7 @@ class TTSWeights:
 
 
 def _load_whole(
-    module: nn.Module, source: SafetensorsFolder, prefix: str, rename: Callable[[str], str]
+    module: nn.Module, source: TensorSource, prefix: str, rename: Callable[[str], str]
 ) -> None:
     """Load every parameter and buffer of ``module`` from ``prefix + rename(name)``, strictly
     (missing or extra tensors under ``prefix`` are listed)."""
