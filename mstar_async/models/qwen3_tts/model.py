@@ -128,12 +128,19 @@ def _decoder_engine(weights: TTSWeights, left_context: int) -> StatelessEngine:
 
 
 def _voice_engine(weights: TTSWeights) -> StatelessEngine:
-    def encode(pcm: Sequence[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        speaker, encoder = weights.speaker_encoder(), weights.speech_encoder()
-        return {
-            "speaker": [speaker.embed(p.float().reshape(-1)) for p in pcm],
-            "codes": [encoder.encode(p.float().reshape(-1)) for p in pcm],
-        }
+    def encode(
+        pcm: Sequence[torch.Tensor], with_codes: Sequence[bool] | torch.Tensor
+    ) -> dict[str, list[torch.Tensor]]:
+        # The codec encoder runs only for voices cloned in context (x-vector voices skip it).
+        speaker = weights.speaker_encoder()
+        groups = weights.config.num_code_groups
+        codes = [
+            weights.speech_encoder().encode(p.float().reshape(-1))
+            if bool(want)
+            else torch.zeros(0, groups, dtype=torch.long)
+            for p, want in zip(pcm, with_codes, strict=True)
+        ]
+        return {"speaker": [speaker.embed(p.float().reshape(-1)) for p in pcm], "codes": codes}
 
     return StatelessEngine({"encode": encode})
 
@@ -156,7 +163,7 @@ def _nodes() -> list[Node]:
             "voice_encoder",
             engine="voice",
             op="encode",
-            inputs=["pcm"],
+            inputs=["pcm", "with_codes"],
             outputs=["speaker", "codes"],
         ),
         Node(

@@ -114,7 +114,7 @@ def make_program(
         speaker: str | None = None,
         language: str = "auto",
         instruct: str = "",
-        voice: VoicePrompt | None = None,
+        voice: Any = None,
         ref_audio: torch.Tensor | None = None,
         ref_text: str | None = None,
         x_vector_only: bool = False,
@@ -141,9 +141,15 @@ def make_program(
                     " or set x_vector_only to use the speaker embedding alone"
                 )
             pcm = torch.as_tensor(ref_audio).float().reshape(-1)
-            encoded = await request.run("encode_voice", pcm=pcm)
+            encoded = await request.run(
+                "encode_voice", pcm=pcm, with_codes=torch.tensor(not x_vector_only)
+            )
             codes = None if x_vector_only else torch.as_tensor(encoded["codes"]).long()
             voice = VoicePrompt(torch.as_tensor(encoded["speaker"]).float(), codes, ref_text)
+        if voice is not None and not isinstance(voice, VoicePrompt):
+            # A registered voice (the registry's stored tensors) or any object with the same
+            # three attributes.
+            voice = VoicePrompt(voice.speaker, voice.codes, voice.transcript)
         if encode_only:
             if voice is None:
                 raise ValueError("encode_only needs ref_audio")
