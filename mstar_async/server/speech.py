@@ -78,7 +78,7 @@ async def _voice_inputs(state: Any, served: Any, body: SpeechRequest) -> dict[st
     this request), or a named voice; ``instructions`` where the model takes ``instruct``."""
     voice = voice_name(body.voice)
     if body.ref_audio is not None:
-        if voice is not None:
+        if voice:
             raise APIError(400, "give either voice or ref_audio, not both", param="ref_audio")
         limits = next(iter(state.voices.values())).store.limits if state.voices else None
         inputs = {
