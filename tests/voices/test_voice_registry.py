@@ -124,3 +124,24 @@ async def test_registered_voice_speaks_and_100_cycles_leave_nothing(tmp_path: Pa
             "index.json",
         ]
         assert [e.blocks_in_use for e in engines] == [0, 0]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_bench_rows_time_each_kind_of_voice() -> None:
+    from mstar_async.bench.speech import _figures, stream_one
+    from mstar_async.bench.speech_voices import VOICE_SYSTEMS, measure_voices
+
+    model = build_model("qwen3-tts", size="tiny", chunk=4)
+    async with open_runtime(model) as runtime:
+        with anyio.fail_after(60):
+            rows = await measure_voices(
+                runtime,
+                [{"text": "Hello there.", "seed": 1, "max_tokens": 5}],
+                stream_one=stream_one,
+                figures=_figures,
+            )
+    assert list(rows["systems"]) == list(VOICE_SYSTEMS)
+    assert rows["reference_frames"] == 75  # 6 s at 12.5 frames a second
+    assert all(f["requests"] == 1 and f["ttfa_p50_s"] > 0 for f in rows["systems"].values())
+    assert [a["target"] for a in rows["aims"]] == [1.2, 2.0]
