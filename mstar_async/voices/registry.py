@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 import torch
 
-from mstar_async.errors import VoiceError, VoiceLimitError
+from mstar_async.errors import VoiceError, VoiceLimitError, VoiceNotFound
 from mstar_async.voices.store import StoredVoice, VoiceRecord, VoiceStore
 
 __all__ = ["VoiceRegistry", "decode_audio"]
@@ -179,8 +179,6 @@ class VoiceRegistry:
         return cached
 
     def _owned(self, voice_id: str) -> VoiceRecord:
-        from mstar_async.errors import VoiceNotFound
-
         record = self.store.record(voice_id)
         if record.model != self.model:
             self._cache.pop(voice_id, None)
