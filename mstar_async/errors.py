@@ -14,7 +14,10 @@
     ├── TensorNotHeld         a tensor handle outlived its tensor (request released, restart)
     ├── PlacementError        a placement names an unknown node or rank, or cannot connect a walk
     ├── SourceRefused         a joining worker was asked to build a model it was not allowed to
-    └── ModelNotFound         no model of that name is registered in the zoo
+    ├── ModelNotFound         no model of that name is registered in the zoo
+    └── VoiceError            a registered voice cannot be made or used
+        ├── VoiceNotFound     no registered voice has that id
+        └── VoiceLimitError   the voice registry or a reference recording is past its limits
 
 Argument checks on constructors raise plain ``ValueError`` / ``TypeError`` naming the argument,
 as the standard library does; everything raised while serving derives from ``MstarError``.
@@ -84,3 +87,16 @@ class SourceRefused(MstarError):
 
 class ModelNotFound(MstarError):
     """No model of the requested name is registered in the zoo."""
+
+
+class VoiceError(MstarError):
+    """A registered voice cannot be made or used (a bad recording, a model that cannot clone)."""
+
+
+class VoiceNotFound(VoiceError):
+    """No registered voice has that id (or it was deleted)."""
+
+
+class VoiceLimitError(VoiceError):
+    """The voice registry is full, or a reference recording is longer or larger than allowed;
+    the message names the limit."""

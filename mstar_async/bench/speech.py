@@ -73,13 +73,13 @@ Progress = Callable[[str], None]
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "speech_en.txt"
 SYSTEMS = ("streaming", "streaming_split", "non_streaming", "pipeline", "sequential")
-MODELS = ("orpheus", "qwen3-omni")
+MODELS = ("orpheus", "qwen3-omni", "qwen3-tts")
 #: Systems that need Orpheus' LM/codec split (the baselines a and b are built from its parts).
 _ORPHEUS_ONLY = ("non_streaming", "pipeline")
 _QWEN_SYSTEMS = ("streaming", "streaming_split", "sequential")
 _VOICE, _TEMPERATURE, _TOP_P = "tara", 0.6, 0.8
 #: The codec node of each model: ``streaming_split`` puts it on rank 1, the LM on rank 0.
-_CODEC_NODE = {"orpheus": "snac", "qwen3-omni": "code2wav"}
+_CODEC_NODE = {"orpheus": "snac", "qwen3-omni": "code2wav", "qwen3-tts": "decoder"}
 _STAGE_TIMEOUT_S = 600.0
 _WARM_TOKENS = 57
 
@@ -159,6 +159,8 @@ def request_inputs(config: SpeechConfig, index: int, prompts: Sequence[str]) -> 
     }
     if config.model == "orpheus":
         inputs.update(voice=_VOICE, temperature=_TEMPERATURE, top_p=_TOP_P)
+    elif config.model == "qwen3-tts":
+        inputs["speaker"] = "ryan"  # max_tokens counts frames (80 ms each)
     else:
         inputs["ignore_eos"] = True
     return inputs
@@ -747,8 +749,11 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
         systems = await _open(config, stack, progress)
         for n in config.concurrency:
             results.append(await _round(config, systems, n, prompts, progress))
+        voices = None
+        if config.model == "qwen3-tts":
+            voices = await _voices(config, systems, prompts, progress)
     machine["load_average_end"] = machine_info()["load_average"]
-    return make_report(
+    report = make_report(
         "speech",
         workload={
             **asdict(config),
@@ -762,9 +767,30 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
         machine=machine,
         systems=[system_entry(name, _DESCRIPTIONS[name]) for name in config.systems],
         results=results,
-        aims=_aims(results),
+        aims=_aims(results) + (voices["aims"] if voices else []),
         seconds=time.perf_counter() - started,
     )
+    if voices:
+        report["voices"] = voices
+    return report
+
+
+async def _voices(
+    config: SpeechConfig, systems: _Systems, prompts: Sequence[str], progress: Progress
+) -> dict[str, Any]:
+    """qwen3-tts: the cloned-voice rows (``speech_voices``), six requests per kind."""
+    from mstar_async.bench.speech_voices import measure_voices
+
+    assert systems.streaming is not None
+    requests = [request_inputs(config, i, prompts) for i in range(6)]
+    for base in requests:
+        base.pop("speaker", None)
+    voices = await measure_voices(
+        systems.streaming, requests, stream_one=stream_one, figures=_figures
+    )
+    for kind, f in voices["systems"].items():
+        progress(f"cloned voices, {kind}: TTFA p50 {f['ttfa_p50_s']:.3f} s, RTF {f['rtf_p50']:.2f}")
+    return voices
 
 
 def run_speech_sync(config: SpeechConfig, progress: Progress = quiet) -> dict[str, Any]:
@@ -802,6 +828,16 @@ def format_report(report: dict[str, Any]) -> str:
         if ratios:
             text = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
             lines.append(f"    throughput {text}")
+    if voices := report.get("voices"):
+        lines.append(
+            f"cloned voices (N=1, {voices['reference_seconds']:g} s reference, "
+            f"{voices['reference_frames']} frames):"
+        )
+        for kind, f in voices["systems"].items():
+            lines.append(
+                f"    {kind:<10} TTFA p50 {f['ttfa_p50_s']:.3f} s, p95 {f['ttfa_p95_s']:.3f} s, "
+                f"e2e p50 {f['e2e_p50_s']:.2f} s"
+            )
     for entry in report["aims"]:
         verdict = "met" if entry["met"] else "NOT met"
         lines.append(f"aim {entry['name']}: {entry['measured']}: {verdict}")

@@ -496,7 +496,9 @@ def _add_speech_parser(kinds: Any) -> None:
         return
     speech.add_argument("--quick", action="store_true", help="tiny model, N=1,4, short requests")
     speech.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    speech.add_argument("--model", choices=("orpheus", "qwen3-omni"), default="orpheus")
+    speech.add_argument(
+        "--model", choices=("orpheus", "qwen3-omni", "qwen3-tts"), default="orpheus"
+    )
     speech.add_argument("--size", choices=("tiny", "small"), help="model size (small)")
     speech.add_argument("--concurrency", type=_concurrency, help="comma-separated (1,4,16)")
     speech.add_argument(

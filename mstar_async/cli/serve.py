@@ -105,6 +105,13 @@ def add_serve_parser(sub: Any) -> None:
         "loopback, any otherwise)",
     )
     serve.add_argument(
+        "--voices-dir",
+        default=None,
+        metavar="DIR",
+        help="keep voices registered with POST /v1/audio/voices here (models that clone "
+        "voices, e.g. qwen3-tts); they persist across restarts",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=_positive,
         default=None,
@@ -236,6 +243,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
             max_text_chars=args.max_text_chars or DEFAULT_MAX_TEXT_CHARS,
             stall_after_s=args.stall_seconds or DEFAULT_STALL_SECONDS,
+            voices_dir=args.voices_dir,
         )
     except (MstarError, ValueError) as exc:
         say(f"mstar serve: {exc}")

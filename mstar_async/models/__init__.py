@@ -9,6 +9,7 @@ from mstar_async.models import noop as _noop  # noqa: F401  (registers "noop")
 from mstar_async.models import orpheus as _orpheus  # noqa: F401  (registers "orpheus")
 from mstar_async.models import pi05 as _pi05  # noqa: F401  (registers "pi05")
 from mstar_async.models import qwen3_omni as _qwen3_omni  # noqa: F401  (registers "qwen3-omni")
+from mstar_async.models import qwen3_tts as _qwen3_tts  # noqa: F401  (registers "qwen3-tts")
 from mstar_async.models import vad as _vad  # noqa: F401  (registers "silero-vad")
 from mstar_async.models import vjepa2 as _vjepa2  # noqa: F401  (registers "vjepa2")
 from mstar_async.models.registry import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
 from mstar_async.runtime.session import SpeechSession
+from mstar_async.voices import VoiceRecord, VoiceRegistry, VoiceStore
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
 from mstar_async.worker.walk_loop import WalkLoop
@@ -43,6 +45,8 @@ class Runtime:
         self.conductor = conductor
         self._batching = batching
         self.pool = pool
+        #: The model's registered voices (``open_runtime(voices=...)``), or None.
+        self.voices: VoiceRegistry | None = None
 
     @property
     def batching(self) -> WalkLoop:
@@ -90,6 +94,57 @@ class Runtime:
             session_id=session_id,
         )
 
+    async def register_voice(
+        self,
+        audio: Any,
+        sample_rate: int = 24_000,
+        *,
+        name: str,
+        transcript: str | None = None,
+    ) -> VoiceRecord:
+        """Compute a cloned voice once from ``audio`` (mono PCM at ``sample_rate``, or the
+        bytes of an audio file) and store it; pass ``voice=await runtime.voice(id)`` to
+        ``generate`` to speak in it. See ``VoiceRegistry.register`` (cancel-safe: nothing is
+        stored if cancelled before the write).
+
+        Raises:
+            RuntimeError: the runtime was opened without ``voices``.
+            VoiceError, VoiceLimitError: as ``VoiceRegistry.register``.
+        """
+        registry = self._registry()
+        if isinstance(audio, bytes):
+            from mstar_async.voices import decode_audio
+
+            audio, sample_rate = decode_audio(
+                audio, max_seconds=registry.store.limits.max_audio_seconds
+            )
+        return await registry.register(self, audio, sample_rate, name=name, transcript=transcript)
+
+    async def voice(self, voice_id: str) -> Any:
+        """A registered voice's tensors, for ``generate(voice=...)``.
+
+        Raises:
+            RuntimeError: no ``voices``; VoiceNotFound: no such voice.
+        """
+        return await self._registry().voice(voice_id)
+
+    def list_voices(self) -> list[VoiceRecord]:
+        """The registered voices of this model. Raises RuntimeError without ``voices``."""
+        return self._registry().list()
+
+    async def delete_voice(self, voice_id: str) -> VoiceRecord:
+        """Remove a registered voice and its file.
+
+        Raises:
+            RuntimeError: no ``voices``; VoiceNotFound: no such voice.
+        """
+        return await self._registry().delete(voice_id)
+
+    def _registry(self) -> VoiceRegistry:
+        if self.voices is None:
+            raise RuntimeError("open the runtime with voices=<directory> to register voices")
+        return self.voices
+
 
 @asynccontextmanager
 async def open_runtime(
@@ -100,6 +155,7 @@ async def open_runtime(
     max_batch_tokens: int = 512,
     forward_time_bound_s: float = 0.1,
     launcher: Launcher | None = None,
+    voices: str | Path | VoiceStore | None = None,
 ) -> AsyncIterator[Runtime]:
     """Serve ``model`` until the block exits.
 
@@ -117,7 +173,9 @@ async def open_runtime(
     ``max_batch_size``, ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward
     of an engine (a long prefill is cut into chunks whose forward stays under the time bound,
     or under a decode round and a quarter where one nears it, so a cancel frees memory
-    promptly and running requests keep their pace; see ``ForwardTimer``).
+    promptly and running requests keep their pace; see ``ForwardTimer``). ``voices`` is the
+    directory (or store) of registered voices, for models that clone voices
+    (``runtime.register_voice``).
 
     Raises:
         PlacementError: the placement does not fit the model.
@@ -128,16 +186,19 @@ async def open_runtime(
     """
     if launcher is not None and placement is None:
         raise ValueError("a launcher starts worker ranks: pass a placement too")
+    store = voices if isinstance(voices, VoiceStore) or voices is None else VoiceStore(voices)
     try:
         if placement is None:
             async with _in_process(
                 model, max_batch_size, max_batch_tokens, forward_time_bound_s
             ) as runtime:
+                runtime.voices = None if store is None else VoiceRegistry(store, model.name)
                 yield runtime
         else:
             async with _with_workers(
                 model, placement, max_batch_tokens, forward_time_bound_s, launcher
             ) as runtime:
+                runtime.voices = None if store is None else VoiceRegistry(store, model.name)
                 yield runtime
     except BaseExceptionGroup as group:
         # The caller's own exception, not a group our task groups wrapped around it.

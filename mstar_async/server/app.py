@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 import msgspec
 from starlette.applications import Starlette
@@ -29,6 +30,7 @@ from mstar_async.server import (
     realtime,
     speech,
     speech_stream,
+    voices,
 )
 from mstar_async.server.admission import Admission
 from mstar_async.server.errors import (
@@ -47,6 +49,7 @@ from mstar_async.server.served import (
     ServedModel,
 )
 from mstar_async.server.state import ServerState
+from mstar_async.voices import VoiceLimits, VoiceRegistry, VoiceStore
 
 log = get_logger("mstar_async.server")
 
@@ -59,6 +62,7 @@ ROUTE_MODULES: tuple[Callable[[], Sequence[BaseRoute]], ...] = (
     realtime.routes,
     images.routes,
     generate.routes,
+    voices.routes,
 )
 
 
@@ -72,6 +76,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
     stall_after_s: float = DEFAULT_STALL_SECONDS,
+    voices_dir: str | Path | None = None,
+    voice_limits: VoiceLimits | None = None,
 ) -> Starlette:
     """An ASGI app serving ``models``; each is opened (``open_runtime``) when the app starts
     and closed when it stops, in the host's event loop.
@@ -83,7 +89,9 @@ def create_app(
     each model loads. ``api_key``, ``allowed_hosts`` and ``max_body_bytes`` are checked on
     every request before any route sees it (see ``Guard``: 401, 400, 413). ``stall_after_s``:
     a model whose steps wait that long with no forward finishing is not ready
-    (``/health/ready`` answers 503).
+    (``/health/ready`` answers 503). ``voices_dir`` keeps the voices registered with
+    ``/v1/audio/voices`` for every served model that clones voices (safetensors and a JSON
+    index, shared by every process given the same directory), within ``voice_limits``.
 
     Raises:
         ValueError: no models, two under one name, a bound below 1, or ``stall_after_s`` not
@@ -103,6 +111,7 @@ def create_app(
     if not stall_after_s > 0:
         raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
     state = ServerState(stall_after_s=stall_after_s)
+    store = None if voices_dir is None else VoiceStore(voices_dir, voice_limits)
     say = progress or (lambda line: None)
 
     @asynccontextmanager
@@ -117,6 +126,8 @@ def create_app(
                 )
                 served = ServedModel(name, runtime, Admission(limits[name]), chars[name])
                 state.models.add(served)
+                if store is not None and runtime.model.info.get("clones_voices"):
+                    runtime.voices = state.voices[name] = VoiceRegistry(store, name)
                 say(f"{name} ready in {time.perf_counter() - started:.1f} s")
                 log.info("server.model_ready", model=name)
             state.vad = await _open_vad(stack, state, say)

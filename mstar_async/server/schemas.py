@@ -95,6 +95,10 @@ class SpeechRequest(Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     max_tokens: PositiveInt | None = None
+    #: One-off cloning (models that clone voices): base64 of a reference recording, and
+    #: what it says (without it, the speaker embedding alone is used).
+    ref_audio: str | None = None
+    ref_text: str | None = None
 
 
 class ImageRequest(Struct, kw_only=True):

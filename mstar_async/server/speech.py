@@ -33,6 +33,8 @@ from mstar_async.server.speech_models import (
 from mstar_async.server.sse import EventStreamResponse, sse_event
 from mstar_async.server.state import server_state
 from mstar_async.server.tracked import TrackedRequest
+from mstar_async.server.voices import decode_base64, ref_audio_inputs, registered_voice
+from mstar_async.voices.store import valid_id
 
 SPEECH_ROUTE = "/v1/audio/speech"
 #: The text to speak is ``input`` in the body.
@@ -54,9 +56,9 @@ async def speech(request: Request) -> Response:
     served = state.models.get_or_404(body.model)
     request.state.model = served.name
     fmt = audio_format(body.response_format, allowed=SPEECH_FORMATS, param="response_format")
-    _check_unsupported(body)
+    _check_unsupported(body, served.inputs)
     rate = sample_rate(served)
-    inputs = speech_inputs(served, body.input, voice_name(body.voice))
+    inputs = await _voice_inputs(state, served, body)
     inputs.update(extension_inputs(served, _extensions(body)))
     tracked = await TrackedRequest.start(state, served, SPEECH_ROUTE, inputs, fields=FIELDS)
     headers = {"x-sample-rate": str(rate)}
@@ -71,14 +73,41 @@ def routes() -> list[Route]:
     return [Route(SPEECH_ROUTE, speech, methods=["POST"])]
 
 
-def _check_unsupported(body: SpeechRequest) -> None:
+async def _voice_inputs(state: Any, served: Any, body: SpeechRequest) -> dict[str, Any]:
+    """The text and voice inputs: a registered voice id, a one-off ``ref_audio`` (cloned for
+    this request), or a named voice; ``instructions`` where the model takes ``instruct``."""
+    voice = voice_name(body.voice)
+    if body.ref_audio is not None:
+        if voice:
+            raise APIError(400, "give either voice or ref_audio, not both", param="ref_audio")
+        limits = next(iter(state.voices.values())).store.limits if state.voices else None
+        inputs = {
+            "text": body.input,
+            **ref_audio_inputs(
+                served,
+                decode_base64(body.ref_audio, param="ref_audio"),
+                body.ref_text,
+                max_seconds=limits.max_audio_seconds if limits else 30.0,
+            ),
+        }
+    elif voice is not None and valid_id(voice):
+        sample_rate(served)
+        inputs = {"text": body.input, "voice": await registered_voice(served, state, voice)}
+    else:
+        inputs = speech_inputs(served, body.input, voice)
+    if body.instructions:
+        inputs["instruct"] = body.instructions
+    return inputs
+
+
+def _check_unsupported(body: SpeechRequest, takes: Any) -> None:
     if body.speed != 1.0:
         raise APIError(
             400,
             f"speed {body.speed} is not supported: speech is served at speed 1.0",
             param="speed",
         )
-    if body.instructions:
+    if body.instructions and "instruct" not in takes:
         raise APIError(
             400, "instructions are not supported by the served models", param="instructions"
         )

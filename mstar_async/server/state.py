@@ -13,6 +13,7 @@ from mstar_async.server.served import ServedModels
 
 if TYPE_CHECKING:
     from mstar_async.runtime import Runtime
+    from mstar_async.voices import VoiceRegistry
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ServerState:
     ready: bool = False
     stall_after_s: float = DEFAULT_STALL_SECONDS
     vad: Runtime | None = None
+    #: Registered voices per served model that clones voices (``create_app(voices_dir=...)``).
+    voices: dict[str, VoiceRegistry] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.models)

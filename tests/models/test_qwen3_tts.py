@@ -1,0 +1,140 @@
+"""qwen3-tts through the runtime: streamed audio equals the decoder's windows over all frames,
+every kind of voice speaks, a cloned voice computed once equals one cloned inline, bad inputs
+say what is wrong, and cancelling mid-speech frees every KV block."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from mstar_async.models import build_model
+from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.models.qwen3_tts.model import prompt_ids, seeded_config
+from mstar_async.models.qwen3_tts.program import chat_ids
+from mstar_async.models.qwen3_tts.prompt import lay_out
+from mstar_async.models.qwen3_tts.speech_decoder import chunked_decode
+from mstar_async.models.qwen3_tts.voice import VoicePrompt
+from mstar_async.outputs import AudioChunk, LatentOutput
+from mstar_async.runtime import open_runtime
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+CHUNK = 4
+TEXT = "Hello there, how are you today?"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runtime_model() -> Any:
+    return build_model("qwen3-tts", size="tiny", chunk=CHUNK)
+
+
+async def _collect(runtime: Any, **inputs: Any) -> list[Any]:
+    inputs.setdefault("max_tokens", 14)
+    with anyio.fail_after(60):
+        async with runtime.generate(return_codes=True, **inputs) as outputs:
+            return [item async for item in outputs]
+
+
+def _split(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    frames = torch.stack([i.latent for i in items if isinstance(i, LatentOutput)])
+    pcm = torch.cat([i.pcm for i in items if isinstance(i, AudioChunk)])
+    return frames, pcm
+
+
+def _ref_pcm() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    t = torch.arange(36_000) / 24_000
+    return 0.3 * torch.sin(2 * torch.pi * 180 * t) + 0.02 * torch.randn(36_000, generator=gen)
+
+
+async def test_every_voice_kind_streams_the_decoders_windows(runtime_model: Any) -> None:
+    async with open_runtime(runtime_model) as runtime:
+        decoder = runtime.batching.engines["decoder"].ops["decode"].func.__self__
+        for inputs in (
+            {"speaker": "ryan"},
+            {"speaker": "Vivian", "language": "english", "instruct": "Cheerful."},
+            {"instruct": "A deep, slow voice."},
+        ):
+            frames, pcm = _split(await _collect(runtime, text=TEXT, **inputs))
+            assert frames.shape == (14, 4)
+            assert int(frames.max()) < 64  # codec specials are never spoken
+            assert pcm.numel() == 14 * 1920
+            with torch.inference_mode():
+                expected = chunked_decode(decoder, frames, CHUNK, 25)
+            torch.testing.assert_close(pcm, expected, atol=1e-5, rtol=1e-5)
+
+
+async def test_a_voice_computed_once_equals_cloning_inline(runtime_model: Any) -> None:
+    pcm = _ref_pcm()
+    async with open_runtime(runtime_model) as runtime:
+        with anyio.fail_after(60):
+            async with runtime.generate(
+                text="", ref_audio=pcm, ref_text="A short test.", encode_only=True
+            ) as out:
+                (voice,) = [v async for v in out]
+        assert isinstance(voice, VoicePrompt) and voice.in_context
+        assert voice.codes is not None and voice.codes.shape == (19, 4)  # ceil(36000 / 1920)
+        cached = await _collect(runtime, text=TEXT, voice=voice, seed=3)
+        inline = await _collect(runtime, text=TEXT, ref_audio=pcm, ref_text="A short test.", seed=3)
+        xvec = await _collect(runtime, text=TEXT, ref_audio=pcm, x_vector_only=True, seed=3)
+    (f1, p1), (f2, p2), (f3, _) = _split(cached), _split(inline), _split(xvec)
+    assert torch.equal(f1, f2) and torch.equal(p1, p2)
+    assert not torch.equal(f1, f3)  # the reference codes are part of the prompt
+
+
+async def test_bad_inputs_name_the_problem(runtime_model: Any) -> None:
+    async with open_runtime(runtime_model) as runtime:
+        cases = [
+            ({"text": TEXT, "speaker": "nobody"}, "unknown speaker 'nobody'"),
+            ({"text": TEXT, "language": "klingon"}, "unknown language 'klingon'"),
+            ({"text": TEXT, "ref_audio": _ref_pcm()}, "ref_text"),
+            ({"text": "", "speaker": "ryan"}, "text to speak is empty"),
+        ]
+        for inputs, message in cases:
+            with pytest.raises(Exception) as caught:
+                await _collect(runtime, **inputs)
+            assert message in str(caught.value) or message in str(caught.value.__cause__)
+
+
+async def test_cancel_mid_speech_frees_every_kv_block(runtime_model: Any) -> None:
+    async with open_runtime(runtime_model) as runtime:
+        engines = [runtime.batching.engines[name] for name in ("talker", "predictor")]
+        with anyio.fail_after(60):
+            async with runtime.generate(text=TEXT, speaker="ryan", max_tokens=400) as outputs:
+                async for item in outputs:
+                    if isinstance(item, AudioChunk):
+                        assert engines[0].blocks_in_use > 0
+                        break
+        assert [e.blocks_in_use for e in engines] == [0, 0]
+
+
+def test_chat_ids_cut_as_upstream_and_layout_rows() -> None:
+    tokenizer = ChatTokenizer.from_folder(smollm2_folder())
+    role, body = chat_ids(tokenizer, "Hello there.", "<|im_end|>\n<|im_start|>assistant\n")
+    assert role[0] == tokenizer.token_to_id("<|im_start|>")
+    assert tokenizer.decode(role[1:]) == "assistant\n"
+    assert tokenizer.decode(body) == "Hello there."
+    ids = prompt_ids(seeded_config("tiny", 0, tokenizer), tokenizer)
+    plain = lay_out(ids, role, body, speaker=76, streaming_text=True)
+    # role rows, 3 tags + speaker + pad (the last over tts_bos), the first text token over bos
+    assert plain.layout.shape == (len(role) + 5 + 1, 6)
+    assert plain.layout[len(role) + 4, 0] == ids.tts_bos
+    assert plain.trailing.tolist() == [*body[1:], ids.tts_eos]
+    codes = torch.zeros(2, 4, dtype=torch.long)
+    icl = lay_out(ids, role, body, speaker=-2, ref_text=[7, 8], ref_codes=codes)
+    # the text is longer than bos + 2 frames: three rows pair up, the rest trails
+    assert icl.trailing.tolist() == [*[7, 8, *body][3:], ids.tts_eos]
+    with pytest.raises(ValueError, match="transcript"):
+        lay_out(ids, role, body, ref_codes=codes)
