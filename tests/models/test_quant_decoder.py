@@ -15,7 +15,7 @@ from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.models.checkpoints import SafetensorsFolder, read_config
 from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
 from mstar_async.models.checkpoints.streaming import StateDictSource
-from mstar_async.models.llama import DecoderConfig, PagedDecoder
+from mstar_async.models.llama import QUANTIZED_HEAD_MAX_ROWS, DecoderConfig, PagedDecoder
 from mstar_async.models.quant import QuantLinear, decoder
 from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_gguf
 
@@ -94,6 +94,24 @@ def test_quantized_decoder_holds_no_float_linear_weights(
     schemes = {m.scheme for m in model.modules() if isinstance(m, QuantLinear)}
     assert schemes == {"int4", "int8"}
     assert model.dtype == torch.bfloat16
+
+
+def test_a_quantized_tied_head_gives_many_rows_to_the_float_embedding(
+    q4_gguf: tuple[Path, dict[str, Any]],
+) -> None:
+    path, config = q4_gguf
+    model = PagedDecoder.from_source(config, GGUFTensors(path, config), quantize="int4")
+    assert isinstance(model.lm_head, QuantLinear)
+    table = model.model.embed_tokens.weight
+    hidden = torch.randn(QUANTIZED_HEAD_MAX_ROWS + 1, config["hidden_size"])
+    with torch.inference_mode():
+        few = model.compute_logits(hidden[:QUANTIZED_HEAD_MAX_ROWS])
+        many = model.compute_logits(hidden)
+    assert torch.equal(few, model.lm_head(hidden[:QUANTIZED_HEAD_MAX_ROWS]))
+    assert torch.equal(many, hidden @ table.t())
+    # Both are the same head: int8 rows against the Q8_0 table they were read from.
+    assert torch.allclose(few, many[:QUANTIZED_HEAD_MAX_ROWS], rtol=0, atol=0.05 * many.abs().max())
+    assert not torch.equal(few, many[:QUANTIZED_HEAD_MAX_ROWS])
 
 
 @pytest.mark.parametrize(
