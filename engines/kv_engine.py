@@ -11,6 +11,11 @@ model-defined query tokens (image latents, noisy actions) over a sequence's cach
 in both directions, over each other; ``extend`` keeps their KV, ``attend`` writes it to scratch
 blocks of a throw-away fork and frees them when the forward ends (see ``engines/kv/queries.py``).
 
+A prefill may carry *embeddings*: rows that replace the token embeddings of some of its prompt's
+positions (an audio encoder's output in place of its placeholder tokens, as multimodal LMs
+scatter theirs). They ride with the pending tokens, keyed by absolute position, so a prompt
+split over forwards still gets each row at its own position.
+
 KV state may outlive a request under a *handle* (a string): a session's sequence kept across
 turns (``retain`` / ``attach``) and named prefixes many requests fork from (``prefix``). A
 handle's blocks stay in the shared pool, counted against the budget, until it is dropped;
@@ -65,7 +70,12 @@ class _Handle:
 
 
 class PagedModel(Protocol):
-    """What the engine needs of a model: a flat-batch forward through ``attention``, and logits."""
+    """What the engine needs of a model: a flat-batch forward through ``attention``, and logits.
+
+    A model that takes prefill embeddings (``accepts_embeds`` true) also takes
+    ``forward(input_ids, attention, embeds=(index, rows))``: ``rows [m, hidden]`` replace the
+    embeddings of the flat positions ``index [m]``.
+    """
 
     def forward(self, input_ids: torch.Tensor, attention: Any) -> torch.Tensor: ...
 
@@ -97,13 +107,17 @@ class _Sequence:
     generator: torch.Generator | None
     pending: list[int] = field(default_factory=list)
     prefill: Step | None = None  # the prefill step being computed, so a resubmit is not re-added
+    # Embedding rows of pending tokens, by absolute position in the sequence: a position keeps
+    # its row however the prompt is split over forwards, and a computed one drops it.
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class _Work:
     demand: Demand
     tokens: list[int] = field(default_factory=list)  # a token step's tokens this forward
-    before: tuple[list[int], Step | None] | None = None  # its sequence before it was admitted
+    # its sequence before it was admitted: pending tokens, prefill step, rows
+    before: tuple[list[int], Step | None, dict[int, torch.Tensor]] | None = None
 
 
 def _token_list(value: Any) -> list[int]:
@@ -122,6 +136,9 @@ class KVCacheEngine:
     - ``prefill``: ``tokens`` (1-D tensor or list of ids), optional ``sampling``
       (``SamplingParams``) -> ``token`` (the sampled next id, a 0-dim long tensor). A second
       prefill of the same request appends to its sequence (multi-turn, or image then text).
+      Optional ``embeds`` (``[m, hidden]``) and ``embeds_at`` (``m`` increasing offsets into
+      ``tokens``): those tokens' embeddings are replaced by the rows (a model with
+      ``accepts_embeds``; both ``None`` for none). A bad pair fails that step alone.
     - ``decode``: ``token`` (the last sampled id) -> ``token``.
     - ``fork``: ``seq`` (a new branch name), optional ``parent`` (a branch name; the main
       sequence if absent) -> ``seq``. The branch shares every KV block of the parent (no
@@ -332,8 +349,16 @@ class KVCacheEngine:
                 if key in seen:  # admission defers it; its tokens are not taken yet
                     work[i] = _Work(Demand(key, step.request_id, 0))
                     continue
+                refused = self._check_embeds(step)
+                if refused is not None:
+                    results[i] = refused
+                    continue
                 seq = self._sequence_for(step)
-                before = None if seq.prefill is step else (list(seq.pending), seq.prefill)
+                before = (
+                    None
+                    if seq.prefill is step
+                    else (list(seq.pending), seq.prefill, dict(seq.rows))
+                )
                 tokens = self._admit_tokens(step, seq)
                 demand = Demand(key, step.request_id, len(tokens), len(seq.pending), step.op)
                 work[i] = _Work(demand, tokens, before)
@@ -346,6 +371,36 @@ class KVCacheEngine:
                     work[i] = _Work(query)
                     seen.add(query.seq)
         return work
+
+    def _check_embeds(self, step: Step) -> EngineError | None:
+        """Whether a token step's ``embeds`` / ``embeds_at`` can be used, checked before any of
+        its tokens are taken (the error fails that step alone)."""
+        rows, at = step.inputs.get("embeds"), step.inputs.get("embeds_at")
+        if rows is None and at is None:
+            return None
+        where = f"request {step.request_id}: {step.op}"
+        if step.op != "prefill":
+            return EngineError(f"{where} cannot take embeds; only prefill does")
+        if not getattr(self.model, "accepts_embeds", False):
+            return EngineError(f"{where}: {type(self.model).__name__} takes no embeds")
+        if not isinstance(rows, torch.Tensor) or not isinstance(at, torch.Tensor):
+            return EngineError(f"{where}: embeds and embeds_at must both be tensors")
+        n = len(_token_list(step.inputs.get("tokens", ())))
+        offsets = at.reshape(-1).long()
+        if rows.dim() != 2 or rows.shape[0] != offsets.numel():
+            return EngineError(
+                f"{where}: embeds must be [m, hidden] with one row per embeds_at offset, got "
+                f"{tuple(rows.shape)} for {offsets.numel()} offsets"
+            )
+        if offsets.numel() and (
+            int(offsets[0]) < 0
+            or int(offsets[-1]) >= n
+            or bool((offsets[1:] <= offsets[:-1]).any())
+        ):
+            return EngineError(
+                f"{where}: embeds_at must be increasing offsets into its {n} tokens"
+            )
+        return None
 
     def _query_demand(
         self, step: Step, index: int, key: Hashable, scratch: list[Hashable]
@@ -492,6 +547,7 @@ class KVCacheEngine:
         state = {
             "kv": read_sequence(self.allocator, self.cache, request_id),
             "pending": list(seq.pending),
+            "rows": dict(seq.rows),
             "sampling": seq.params,
             "generator": None if seq.generator is None else seq.generator.get_state(),
         }
@@ -512,6 +568,7 @@ class KVCacheEngine:
         write_sequence(self.allocator, self.cache, request_id, state["kv"])
         params: SamplingParams = state["sampling"]
         seq = _Sequence(params, make_generator(params.seed, self.device), list(state["pending"]))
+        seq.rows = {int(k): v.to(self.device) for k, v in state.get("rows", {}).items()}
         if seq.generator is not None and state["generator"] is not None:
             seq.generator.set_state(state["generator"])
         self._sequences[request_id] = seq
@@ -537,6 +594,12 @@ class KVCacheEngine:
             tokens = _token_list(step.inputs.get("tokens", ()))
             if not tokens:
                 raise EngineError(f"request {step.request_id}: {step.op} got no tokens")
+            rows = step.inputs.get("embeds")
+            if rows is not None:
+                base = self.allocator.num_tokens(_key(step)) + len(seq.pending)
+                offsets = step.inputs["embeds_at"].reshape(-1).tolist()
+                rows = rows.to(self.device)
+                seq.rows.update({base + int(k): rows[j] for j, k in enumerate(offsets)})
             seq.pending.extend(tokens)
             seq.prefill = step
         elif step.op == "decode":
@@ -568,15 +631,20 @@ class KVCacheEngine:
         return seq
 
     def _undo_tokens(
-        self, step: Step, before: tuple[list[int], Step | None] | None, *, failed: bool
+        self,
+        step: Step,
+        before: tuple[list[int], Step | None, dict[int, torch.Tensor]] | None,
+        *,
+        failed: bool,
     ) -> None:
         """A token step that did not run leaves no trace: should it be withdrawn, nothing of
         it may reach the sequence's next step. A failed step that had begun drops the rest."""
         seq = self._sequences[_key(step)]
         if before is not None:
-            seq.pending, seq.prefill = before
+            seq.pending, seq.prefill, seq.rows = before
         elif failed:
             seq.pending.clear()
+            seq.rows.clear()
             seq.prefill = None
 
     def _run(
@@ -625,7 +693,12 @@ class KVCacheEngine:
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
         flat = [t for i in admitted for t in work[i].tokens]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        hidden = self._forward(input_ids, StepAttention(self.cache, self.backend, meta))
+        attention = StepAttention(self.cache, self.backend, meta)
+        embeds = self._embeds(steps, work, admitted)
+        if embeds is None:
+            hidden = self._forward(input_ids, attention)
+        else:
+            hidden = self._forward(input_ids, attention, embeds=embeds)
         finishing: list[int] = []
         rows: list[int] = []
         done: dict[int, StepResult] = {}
@@ -648,6 +721,31 @@ class KVCacheEngine:
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         done.update({i: {"token": tokens[k]} for k, i in enumerate(finishing)})
         return done
+
+
+    def _embeds(
+        self, steps: Sequence[Step], work: dict[int, _Work], admitted: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows this forward's tokens take in place of their embeddings, as ``(flat
+        index, rows)``, taken from their sequences; None when there are none (called after the
+        tokens were appended, so a step's first token sits at ``num_tokens - len(tokens)``)."""
+        index: list[int] = []
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for i in admitted:
+            count = len(work[i].tokens)
+            seq = self._sequences[_key(steps[i])]
+            if seq.rows:
+                base = self.allocator.num_tokens(_key(steps[i])) - count
+                for j in range(count):
+                    row = seq.rows.pop(base + j, None)
+                    if row is not None:
+                        index.append(offset + j)
+                        rows.append(row)
+            offset += count
+        if not rows:
+            return None
+        return torch.tensor(index, dtype=torch.long, device=self.device), torch.stack(rows)
 
 
 def _owner(seq: Hashable) -> str | None:
