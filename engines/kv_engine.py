@@ -397,9 +397,7 @@ class KVCacheEngine:
             or int(offsets[-1]) >= n
             or bool((offsets[1:] <= offsets[:-1]).any())
         ):
-            return EngineError(
-                f"{where}: embeds_at must be increasing offsets into its {n} tokens"
-            )
+            return EngineError(f"{where}: embeds_at must be increasing offsets into its {n} tokens")
         return None
 
     def _query_demand(
@@ -721,7 +719,6 @@ class KVCacheEngine:
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         done.update({i: {"token": tokens[k]} for k, i in enumerate(finishing)})
         return done
-
 
     def _embeds(
         self, steps: Sequence[Step], work: dict[int, _Work], admitted: list[int]

@@ -57,9 +57,7 @@ def _rows(n: int, seed: int = 1) -> torch.Tensor:
 
 def _dense_first_token(thinker: Thinker, rows: torch.Tensor) -> int:
     with torch.no_grad():
-        hidden = thinker(
-            torch.tensor(PROMPT), DenseCausalAttention(len(PROMPT)), embeds=(AT, rows)
-        )
+        hidden = thinker(torch.tensor(PROMPT), DenseCausalAttention(len(PROMPT)), embeds=(AT, rows))
         return int(thinker.compute_logits(hidden[-1]).argmax())
 
 

@@ -33,9 +33,7 @@ from mstar_async.runtime import open_runtime
 
 hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
 hf_config = pytest.importorskip("transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe")
-hf_processing = pytest.importorskip(
-    "transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe"
-)
+hf_processing = pytest.importorskip("transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe")
 whisper = pytest.importorskip("transformers.models.whisper.feature_extraction_whisper")
 
 pytestmark = pytest.mark.timeout(90)
@@ -169,9 +167,9 @@ def _upstream_inputs(pcm: torch.Tensor, tokenizer: ChatTokenizer) -> dict[str, t
     )
     mask = features.attention_mask
     pads = int(hf_processing._get_feat_extract_output_lengths(mask.sum(-1), 50)[0])
-    head, tail = tokenizer.apply_chat_template([{"role": "user", "content": "@@" + QUESTION}]).split(
-        "@@"
-    )
+    head, tail = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "@@" + QUESTION}]
+    ).split("@@")
     ids = tokenizer.encode(head) + [VOCAB - 3] + [VOCAB - 2] * pads + [VOCAB - 1]
     ids += tokenizer.encode(tail)
     return {

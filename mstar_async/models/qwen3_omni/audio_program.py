@@ -15,7 +15,6 @@ Each step yields ``EncodedAudio`` (the rows it completed and the frames convolve
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterable, Mapping, Sequence
-from contextlib import aclosing
 from typing import Any
 
 import torch
@@ -38,20 +37,21 @@ async def _checked(
     pieces: AsyncIterable[Any], max_samples: int, counted: list[int]
 ) -> AsyncGenerator[torch.Tensor, None]:
     """The pieces as float32 samples, each checked (shape, type, the utterance's length so
-    far) before it is fed, so a bad or overlong stream fails before its encoder work."""
-    async with aclosing(_iterate(pieces)) as items:
+    far) before it is fed, so a bad or overlong stream fails before its encoder work. The
+    walk's feeder iterates and closes this generator; it closes ``pieces`` in turn."""
+    items = aiter(pieces)
+    try:
         async for piece in items:
             samples = pcm_piece(piece)
             counted[0] += samples.numel()
             check_length(counted[0], max_samples, final=False)
             if samples.numel():
                 yield samples
+    finally:
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()
     check_length(counted[0], max_samples, final=True)
-
-
-async def _iterate(pieces: AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
-    async for piece in pieces:
-        yield piece
 
 
 async def pieces_of(pcm: torch.Tensor) -> AsyncGenerator[torch.Tensor, None]:
@@ -74,16 +74,17 @@ async def encode_audio(
     """
     counted = [0]
     rows: list[torch.Tensor] = []
-    async with aclosing(_checked(pieces, max_samples, counted)) as pcm:
-        async with request.stream(walk, pcm=pcm) as events:
-            async for event in events:
-                if event.port == "audio_in.rows":
-                    if event.value.numel():
-                        rows.append(event.value)
-                    continue
-                new = torch.cat(rows) if rows else torch.zeros(0)
-                rows = []
-                yield EncodedAudio(new, int(event.value), counted[0])
+    # The walk's feeder owns the checked stream: it iterates it and closes it when the walk
+    # ends or is cancelled (closing it here could race the feeder still inside it).
+    async with request.stream(walk, pcm=_checked(pieces, max_samples, counted)) as events:
+        async for event in events:
+            if event.port == "audio_in.rows":
+                if event.value.numel():
+                    rows.append(event.value)
+                continue
+            new = torch.cat(rows) if rows else torch.zeros(0)
+            rows = []
+            yield EncodedAudio(new, int(event.value), counted[0])
     if rows:  # a rows event that came after its step's frames
         yield EncodedAudio(torch.cat(rows), -1, counted[0])
 

@@ -82,9 +82,7 @@ def pcm_piece(piece: Any) -> torch.Tensor:
     if piece.dtype == torch.int16:
         return piece.float() / 32768.0
     if not piece.dtype.is_floating_point:
-        raise ValueError(
-            f"speech samples must be float in [-1, 1] or int16, got {piece.dtype}"
-        )
+        raise ValueError(f"speech samples must be float in [-1, 1] or int16, got {piece.dtype}")
     return piece.float()
 
 

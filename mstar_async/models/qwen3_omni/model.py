@@ -495,7 +495,9 @@ def _program(
         ids = torch.tensor(prompt.ids)
         embeds = torch.cat(rows) if rows else None
         embeds_at = (
-            torch.cat([torch.arange(r.shape[0]) + at for r, at in zip(rows, prompt.audio_at)])
+            torch.cat(
+                [torch.arange(r.shape[0]) + at for r, at in zip(rows, prompt.audio_at, strict=True)]
+            )
             if rows
             else None
         )

@@ -4,10 +4,10 @@ A rank builds the parts its engines need and nothing else: the thinker's engine 
 talker's engine the talker (with its code predictor) and the thinker's embedding table alone
 (the talker projects thinker embeddings of the text, as upstream does); the code predictor's
 engine the code predictor (taken from the talker when that is built); code2wav's engine
-code2wav; the audio encoder's engine the thinker's audio tower. From a checkpoint folder a part is built on the meta device and its tensors are
-streamed from the safetensors files straight into their final dtype and device
-(``checkpoints.streaming``), so a rank reads from disk only its parts' tensors and never holds a
-second copy; the vision tower is never read.
+code2wav; the audio encoder's engine the thinker's audio tower. From a checkpoint folder a part
+is built on the meta device and its tensors are streamed from the safetensors files straight
+into their final dtype and device (``checkpoints.streaming``), so a rank reads from disk only its
+parts' tensors and never holds a second copy; the vision tower is never read.
 
 Parts are owned by the engines holding them: an ``OmniWeights`` (one per built model) keeps only
 weak references, so engines built together share a part (the talker's and the code predictor's
