@@ -74,7 +74,9 @@ class RealtimeSession:
     outputs and, after, its usage (see ``server.realtime``); ``vad`` the runtime of the
     ``silero-vad`` model, or None when server VAD is not available; ``hear`` starts an encoder
     request of the served model (None: the model hears nothing, and committed speech without a
-    transcript cannot be answered); ``on_heard`` is told how each committed turn was heard.
+    transcript cannot be answered); ``on_heard`` is told how each committed turn was heard;
+    ``forget`` frees what the model kept of the conversation, once the session has ended and
+    its last response is closed.
     """
 
     def __init__(
@@ -89,8 +91,11 @@ class RealtimeSession:
         config: SessionConfig,
         hear: Hear | None = None,
         on_heard: Callable[[HeardTurn], None] | None = None,
+        forget: Callable[[], Awaitable[None]] | None = None,
+        session_id: str | None = None,
     ) -> None:
-        self.id = new_id("sess")
+        self.id = session_id or new_id("sess")
+        self.forget = forget
         self.hear = hear
         self.on_heard = on_heard
         self.hearing: Hearing | None = None
@@ -129,7 +134,8 @@ class RealtimeSession:
 
     async def run(self, events: AsyncIterator[Any]) -> None:
         """Serve ``events`` (decoded client events) until they end; then stop what runs.
-        Cancel-safe: a response in flight is closed and its request released."""
+        Cancel-safe: a response in flight is closed and its request released, then what the
+        model kept of the conversation is freed (shielded)."""
         await self.send(self.event("session.created", session=self._session_json()))
         try:
             async with anyio.create_task_group() as tg:
@@ -143,6 +149,11 @@ class RealtimeSession:
                 self._vad_in.close()
             if self.hearing is not None:
                 self.hearing.cancel()
+            if self.forget is not None:
+                # After the task group: every response is released, so nothing retains the
+                # conversation again after this.
+                with anyio.CancelScope(shield=True):
+                    await self.forget()
 
     async def handle(self, event: Any) -> None:
         """Act on one client event; a refused one becomes an ``error`` event."""

@@ -44,7 +44,9 @@ def live() -> Iterator[tuple[str, Starlette]]:
 
 
 def kv_blocks(app: Starlette) -> int:
-    return int(app.state.server.models["qwen3-omni"].runtime.batching.kv_blocks_in_use)
+    """KV blocks of requests (beyond what sessions' conversations keep between turns)."""
+    batching = app.state.server.models["qwen3-omni"].runtime.batching
+    return int(batching.kv_blocks_in_use) - int(batching.engines["thinker"].kept_blocks)
 
 
 class Seen:

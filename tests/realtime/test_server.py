@@ -46,7 +46,16 @@ class Live:
     app: Starlette
 
     def kv_blocks(self) -> int:
+        """Every KV block in use, kept conversations' included."""
         return int(self.app.state.server.models["qwen3-omni"].runtime.batching.kv_blocks_in_use)
+
+    def thinker(self) -> Any:
+        return self.app.state.server.models["qwen3-omni"].runtime.batching.engines["thinker"]
+
+    def request_blocks(self) -> int:
+        """KV blocks beyond what the sessions' conversations keep between turns: those of
+        requests (a request's blocks shared with its conversation's are the conversation's)."""
+        return self.kv_blocks() - int(self.thinker().kept_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +127,7 @@ async def test_a_text_turn_gets_a_spoken_reply_with_its_transcript(live: Live) -
     assert transcript and len(audio) > CLIENT_RATE // 5 and len(audio) % 2 == 0
     item_added = next(e for e in seen if e.type == "conversation.item.added")
     assert item_added.previous_item_id == added.item.id
-    assert live.kv_blocks() == 0
+    assert live.request_blocks() == 0
 
 
 async def test_the_beta_dialect_gets_the_beta_event_names(live: Live) -> None:
@@ -181,7 +190,7 @@ async def test_speaking_over_a_reply_cancels_it_and_frees_its_memory(live: Live)
         assert done.response.status == "cancelled"
         assert done.response.status_details.reason == "turn_detected"
         with anyio.fail_after(10):
-            while live.kv_blocks():  # noqa: ASYNC110  (the engines' count: no event to wait on)
+            while live.request_blocks():  # noqa: ASYNC110  (the engines' count: no event)
                 await anyio.sleep(0.01)
         print(f"barge-in: speech_started to response.done {cancel_s * 1000:.0f} ms")
         # The session goes on: a new turn gets a reply.
@@ -406,7 +415,7 @@ async def test_committed_speech_is_heard_and_answered(live: Live) -> None:
     # far behind the encoder is (the VAD test below measures a turn's end).
     assert 0 <= left <= total
     assert typed.response.status == "completed"
-    assert live.kv_blocks() == 0
+    assert live.request_blocks() == 0
 
 
 async def test_a_conversation_item_with_audio_is_heard_and_answered(live: Live) -> None:
@@ -436,7 +445,7 @@ async def test_a_conversation_item_with_audio_is_heard_and_answered(live: Live) 
     assert added.item.content[0].type == "input_audio"
     assert done.response.status == "completed" and done.response.output[0].content[0].text
     assert error.error.param == "item.content[0].audio" and "at most 120 s" in error.error.message
-    assert live.kv_blocks() == 0
+    assert live.request_blocks() == 0
 
 
 async def test_an_unknown_model_closes_with_an_error(live: Live) -> None:
@@ -576,10 +585,11 @@ async def receive_until(ws: Any, kind: str) -> tuple[list[str], dict[str, Any]]:
                 return kinds, event
 
 
-async def test_twenty_turns_leave_nothing_behind(live: Live) -> None:
+async def test_twenty_turns_reuse_the_conversation_and_leave_nothing_behind(live: Live) -> None:
     served = live.app.state.server.models["qwen3-omni"]
     vad = live.app.state.server.vad
     assert vad is not None
+    reused = live.thinker().reused_tokens
     async with connect(live) as conn:
         await conn.session.update(session={"type": "realtime"})  # server VAD on
         await until(conn, "session.updated")
@@ -591,7 +601,12 @@ async def test_twenty_turns_leave_nothing_behind(live: Live) -> None:
                 response={"max_output_tokens": 3, "output_modalities": modalities}
             )
             assert (await until(conn, "response.done")).response.status == "completed"
-    # The socket is closed: every request, walk, KV block and VAD stream of it is gone.
+            # Each turn after the first starts from the KV the turn before kept: at least
+            # the turn before's prompt (the conversation grows by a turn each time).
+            assert turn == 0 or live.thinker().reused_tokens - reused > 20 * turn
+        assert live.request_blocks() == 0 < live.kv_blocks()  # the conversation is kept
+    # The socket is closed: every request, walk, KV block (the kept conversation's too: the
+    # session frees it as it ends) and VAD stream of it is gone.
     with anyio.fail_after(10):
         while (  # noqa: ASYNC110  (other threads' and engines' counts: no event)
             live.kv_blocks()

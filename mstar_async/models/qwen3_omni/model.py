@@ -235,9 +235,12 @@ def _nodes(audio: bool) -> list[Node]:
             "thinker_prefill",
             engine="thinker",
             op="prefill",
-            inputs=["tokens", "sampling", "embeds", "embeds_at"],
+            inputs=["tokens", "sampling", "embeds", "embeds_at", "resume"],
             outputs=["token"],
         ),
+        # A conversation's thinker KV kept between its turns (see the program's ``session``).
+        Node("thinker_keep", engine="thinker", op="retain", inputs=["handle", "evictable"]),
+        Node("thinker_forget", engine="thinker", op="drop", inputs=["handle"], outputs=["dropped"]),
         Node("thinker_text", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
         Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
         Node(
@@ -337,6 +340,8 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
     return [
         *(_audio_walks() if cfg.audio is not None else []),
         Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
+        Walk("keep", "thinker_keep"),
+        Walk("forget", "thinker_forget", outputs=["thinker_forget.dropped"]),
         Walk("text", text, outputs=["thinker_text.token"]),
         Walk("voice", "talker_prefill", outputs=["talker_prefill.code"]),
         Walk(
@@ -449,6 +454,11 @@ async def _heard(
     return conversation, rows
 
 
+def _handle(session: str) -> str:
+    """The thinker KV handle of conversation ``session``."""
+    return f"conversation:{session}"
+
+
 def _program(
     cfg: OmniConfig,
     tokenizer: ChatTokenizer,
@@ -462,6 +472,8 @@ def _program(
         messages: list[dict[str, Any]] | None = None,
         audio: Any = None,
         encode_only: bool = False,
+        session: str | None = None,
+        end_session: bool = False,
         max_tokens: int = 64,
         speak: bool = True,
         seed: int = 0,
@@ -484,6 +496,12 @@ def _program(
             async with aclosing(encode_audio(request, pieces, max_samples)) as heard:
                 async for piece in heard:
                     yield piece
+            return
+        if end_session:
+            # The conversation is over: its kept KV goes back to the pool.
+            if not session:
+                raise ValueError("end_session needs session=<the conversation's name>")
+            await request.run("forget", handle=_handle(session))
             return
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -511,8 +529,17 @@ def _program(
             stop_token_ids=stop_ids,
         )
         detok = IncrementalDecoder(tokenizer)
+        if session:
+            # Keep this turn's thinker KV for the next (evictable: a turn that finds it gone
+            # computes the conversation again), and start from the last turn's.
+            await request.run("keep", handle=_handle(session), evictable=True)
         prefill = await request.run(
-            "prefill", tokens=ids, sampling=sampling, embeds=embeds, embeds_at=embeds_at
+            "prefill",
+            tokens=ids,
+            sampling=sampling,
+            embeds=embeds,
+            embeds_at=embeds_at,
+            resume=_handle(session) if session else None,
         )
         first = int(prefill["token"])
         if first in stop_ids:
