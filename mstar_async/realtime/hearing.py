@@ -30,9 +30,10 @@ from mstar_async.logs import get_logger
 
 log = get_logger("mstar_async.realtime")
 
-#: Starts an encoder request over an async iterable of 16 kHz float tensors; the context
-#: manager yields the request's outputs (``EncodedAudio``), in order.
-Hear = Callable[[AsyncIterator[torch.Tensor], str], AbstractAsyncContextManager[Any]]
+#: Starts an encoder request over an async iterable of 16 kHz float tensors (or one whole
+#: tensor), named by the string; the context manager yields the request's outputs
+#: (``EncodedAudio``), in order.
+Hear = Callable[[AsyncIterator[torch.Tensor] | torch.Tensor, str], AbstractAsyncContextManager[Any]]
 #: Pieces of audio the encoder may lag behind before the feeder waits (~10 s of 20 ms pieces).
 BACKLOG = 512
 #: Mel frames per second of 16 kHz audio (hop 160).
@@ -117,6 +118,19 @@ class Hearing:
         """Stop encoding (the request is closed, its state freed); idempotent, never raises."""
         self._send.close()
         self._scope.cancel()
+
+
+async def encode_whole(hear: Hear, audio: np.ndarray, request_id: str) -> torch.Tensor | None:
+    """The encoder's rows for a whole utterance (a created item's audio), or None when the
+    encoder request fails (the response then encodes the audio). Cancel-safe: cancelling closes
+    the request."""
+    try:
+        async with hear(torch.from_numpy(np.ascontiguousarray(audio)), request_id) as outputs:
+            rows = [heard.rows async for heard in outputs if heard.rows.numel()]
+    except MstarError as exc:
+        log.warning("realtime.hearing_failed", request_id=request_id, error=repr(exc))
+        return None
+    return torch.cat(rows) if rows else None
 
 
 class UnheardSamples:

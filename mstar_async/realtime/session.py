@@ -43,7 +43,13 @@ from mstar_async.realtime.audio_buffer import AudioBuffer
 from mstar_async.realtime.config import SessionConfig, max_tokens
 from mstar_async.realtime.conversation import Conversation, Message, parse_item
 from mstar_async.realtime.events import EventNames, RealtimeError, new_id
-from mstar_async.realtime.hearing import Hear, HeardTurn, Hearing, UnheardSamples
+from mstar_async.realtime.hearing import (
+    Hear,
+    HeardTurn,
+    Hearing,
+    UnheardSamples,
+    encode_whole,
+)
 from mstar_async.realtime.resample import PcmResampler
 from mstar_async.realtime.response import ResponseRun, Spoken
 from mstar_async.realtime.turns import SpeechStarted, SpeechStopped, TurnDetector
@@ -379,6 +385,13 @@ class RealtimeSession:
         if previous is not None and not isinstance(previous, str):
             raise RealtimeError("previous_item_id must be a string", param="previous_item_id")
         before = self.conversation.add(item, previous)
+        if isinstance(item, Message) and item.audio is not None and self.hear is not None:
+            # Encoded once, here: every later turn reads the same rows, so the model's kept
+            # conversation matches them (a response encoding it each time might round
+            # differently in another batch).
+            self._hearings += 1
+            name = f"{self.id}-item-{self._hearings}"
+            item.rows = await encode_whole(self.hear, item.audio, name)
         body = item.as_json(beta=self.names.beta)
         await self.send(self.event("conversation.item.added", previous_item_id=before, item=body))
         await self.send(self.event("conversation.item.done", previous_item_id=before, item=body))

@@ -101,7 +101,7 @@ def _hearer(served: ServedModel) -> Hear | None:
         return None
 
     @asynccontextmanager
-    async def hear(audio: AsyncIterator[Any], request_id: str) -> AsyncIterator[Any]:
+    async def hear(audio: Any, request_id: str) -> AsyncIterator[Any]:
         async with served.runtime.generate(
             audio=audio, encode_only=True, request_id=request_id
         ) as outputs:

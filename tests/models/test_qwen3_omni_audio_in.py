@@ -11,6 +11,7 @@ before any encoder work; nothing is left behind on cancel.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -335,3 +336,24 @@ async def test_leaving_mid_utterance_frees_the_encoders_state() -> None:
                         break
                 assert engine.streams == 1
             assert engine.streams == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+async def test_a_checkpoint_whose_audio_ids_it_cannot_embed_is_served_deaf(
+    folder: tuple[Any, Path], tmp_path: Path
+) -> None:
+    _, path = folder
+    for file in path.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    config = json.loads((path / "config.json").read_text())
+    config["thinker_config"]["audio_token_id"] = 151_646  # transformers' default, past VOCAB
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = build_model("qwen3-omni", path=tmp_path)
+    assert model.info["audio_input_rate"] == 0 and "audio" not in model.components
+    async with open_runtime(model) as runtime:
+        turn = {"role": "user", "content": "hi", "audio": _speech(0.5)}
+        with anyio.fail_after(30), pytest.raises(RequestError, match="outside the thinker's"):
+            async with runtime.generate(messages=[turn], speak=False) as outputs:
+                [o async for o in outputs]
+        assert runtime.batching.stats.steps == 0

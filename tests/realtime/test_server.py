@@ -418,6 +418,22 @@ async def test_committed_speech_is_heard_and_answered(live: Live) -> None:
     assert live.request_blocks() == 0
 
 
+async def test_a_cleared_buffer_is_not_heard(live: Live) -> None:
+    before = heard(live)
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await send_audio(conn, sentence("story"))
+        await conn.input_audio_buffer.clear()
+        await until(conn, "input_audio_buffer.cleared")
+        stop = sentence("stop")
+        await send_audio(conn, stop)
+        await conn.input_audio_buffer.commit()
+        await until(conn, "input_audio_buffer.committed")
+    count, total, _ = (a - b for a, b in zip(heard(live), before, strict=True))
+    # One turn, of the audio after the clear only (less what soxr's filter still holds).
+    assert count == 1 and 0 <= len(stop) * 2 // 3 - round(total * 16_000) < 400
+
+
 async def test_a_conversation_item_with_audio_is_heard_and_answered(live: Live) -> None:
     audio = base64.b64encode(pcm16(sentence("stop"))).decode()
     async with connect(live) as conn:
@@ -432,6 +448,14 @@ async def test_a_conversation_item_with_audio_is_heard_and_answered(live: Live) 
         added = await until(conn, "conversation.item.added")
         await conn.response.create(response={"max_output_tokens": 6, "output_modalities": ["text"]})
         done = await until(conn, "response.done")
+        # The item was encoded once, when created: the next turn reuses the kept KV of the
+        # whole first turn, its audio rows included.
+        reused = live.thinker().reused_tokens
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
+        assert (await until(conn, "response.done")).response.status == "completed"
+        rows = rows_for(len(sentence("stop")) * 2 // 3)
+        assert live.thinker().reused_tokens - reused > rows + 5
         # Too long for an item: refused by its size, before it is decoded.
         long = "A" * (4 * 120 * CLIENT_RATE * 2 // 3 + 8)
         await conn.conversation.item.create(

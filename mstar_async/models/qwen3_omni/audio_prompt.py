@@ -164,18 +164,22 @@ def build_prompt(
         ValueError: text holding the private character that marks an audio part; audio
             without ``tokens``; the template cannot render the messages.
     """
-    rendered: list[dict[str, Any]] = []
+    rendered: list[Mapping[str, Any]] = []
     for message in messages:
-        text = message.get("content") or ""
-        if not isinstance(text, str):
-            raise ValueError("a message's content must be a string")
-        if _SLOT in text:
+        text = message.get("content")
+        if isinstance(text, str) and _SLOT in text:
             raise ValueError("a message's text holds U+F0000, which marks audio here")
-        if message.get("audio") is not None:
-            if tokens is None:
-                raise ValueError("this model has no audio encoder; send text only")
-            text = _SLOT + text
-        rendered.append({**{k: v for k, v in message.items() if k != "audio"}, "content": text})
+        if "audio" not in message:
+            rendered.append(message)  # as given: the template judges it
+            continue
+        if message["audio"] is not None and tokens is None:
+            raise ValueError("this model has no audio encoder; send text only")
+        if text is not None and not isinstance(text, str):
+            raise ValueError("a message's content must be a string")
+        slot = _SLOT if message["audio"] is not None else ""
+        rendered.append(
+            {**{k: v for k, v in message.items() if k != "audio"}, "content": slot + (text or "")}
+        )
     pieces = tokenizer.apply_chat_template(rendered).split(_SLOT)
     ids = tokenizer.encode(pieces[0])
     audio_at: list[int] = []

@@ -465,6 +465,7 @@ def _program(
     tokens: TalkerTokens,
     audio_ids: AudioTokens,
     max_samples: int,
+    deaf: str,
 ) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
@@ -487,13 +488,18 @@ def _program(
         ignore_eos: bool = False,
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
+        heard_any = audio is not None or any(m.get("audio") is not None for m in messages or [])
+        if heard_any and cfg.audio is None:
+            raise ValueError(deaf)
         if encode_only:
             # Only hear: the encoder's rows as the speech arrives (a later request's messages
-            # can carry them as {"role": "user", "audio": rows}).
-            if audio is None or cfg.audio is None:
-                raise ValueError("encode_only needs audio= (16 kHz PCM) and an audio encoder")
-            pieces = audio if isinstance(audio, AsyncIterable) else pieces_of(pcm_piece(audio))
-            async with aclosing(encode_audio(request, pieces, max_samples)) as heard:
+            # can carry them as {"role": "user", "audio": rows}); whole PCM in 8 s steps.
+            if audio is None:
+                raise ValueError("encode_only needs audio= (16 kHz PCM)")
+            streamed = isinstance(audio, AsyncIterable)
+            pieces = audio if streamed else pieces_of(pcm_piece(audio))
+            walk = "listen" if streamed else "hear"
+            async with aclosing(encode_audio(request, pieces, max_samples, walk=walk)) as heard:
                 async for piece in heard:
                     yield piece
             return
@@ -631,6 +637,19 @@ def build_qwen3_omni(
         cfg = OmniConfig.from_hf(_read_config(folder))
     tokens = talker_tokens(cfg, tokenizer)
     audio_ids = audio_tokens(cfg.audio_start, cfg.audio_pad, cfg.audio_end, tokenizer)
+    if cfg.audio is not None and max(audio_ids.start, audio_ids.pad, audio_ids.end) >= (
+        cfg.thinker_vocab
+    ):
+        # A checkpoint whose audio ids the thinker cannot embed cannot hear: serve it deaf
+        # (its audio tower is never loaded) and say why when audio comes.
+        deaf = (
+            f"this checkpoint's audio token ids ({audio_ids.start}, {audio_ids.pad}, "
+            f"{audio_ids.end}) are outside the thinker's vocabulary of {cfg.thinker_vocab}; "
+            "fix thinker_config's audio_start_token_id / audio_token_id / audio_end_token_id"
+        )
+        cfg = replace(cfg, audio=None)
+    else:
+        deaf = "this model has no audio encoder; send text only"
     if max_audio_seconds <= 0:
         raise ValueError(f"max_audio_seconds must be > 0, got {max_audio_seconds}")
     max_samples = int(max_audio_seconds * AUDIO_IN_RATE)
@@ -642,7 +661,7 @@ def build_qwen3_omni(
         nodes=_nodes(cfg.audio is not None),
         edges=_edges(chunk, left_context),
         walks=_walks(cfg, max_iterations),
-        program=_program(cfg, tokenizer, tokens, audio_ids, max_samples),
+        program=_program(cfg, tokenizer, tokens, audio_ids, max_samples, deaf),
         components={
             **(
                 {"audio": functools.partial(_audio_engine, weights, max_samples)}
