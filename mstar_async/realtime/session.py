@@ -109,6 +109,7 @@ class RealtimeSession:
         self.heard: deque[HeardTurn] = deque(maxlen=HEARD_TURNS)
         self._hearings = 0
         self._vad_frames = 0
+        self._vad_origin = 0  # the timeline sample the VAD's stream starts at
         self.send = send
         self.respond = respond
         self.model = model
@@ -268,6 +269,7 @@ class RealtimeSession:
             assert self._tg is not None and self.vad is not None
             send, receive = anyio.create_memory_object_stream[torch.Tensor](VAD_BACKLOG)
             self._vad_in = send
+            self._vad_origin = self.buffer.start + self.buffer.samples - samples.size
             self._tg.start_soon(self._listen, self.vad, receive)
         await self._vad_in.send(torch.from_numpy(samples))
 
@@ -283,7 +285,8 @@ class RealtimeSession:
                     # The encoder hears what the VAD has judged, so that at a turn's end it
                     # holds exactly the turn.
                     self._vad_frames += 1
-                    await self._hear(self.unheard.until(self._vad_frames * FRAME))
+                    judged = self._vad_origin + self._vad_frames * FRAME
+                    await self._hear(self.unheard.until(judged))
                     if self.turns is None:
                         continue
                     turn = self.turns.frame(probability)

@@ -15,6 +15,7 @@ Each step yields ``EncodedAudio`` (the rows it completed and the frames convolve
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterable, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ async def encode_audio(
     """
     counted = [0]
     rows: list[torch.Tensor] = []
+    frames = 0
     # The walk's feeder owns the checked stream: it iterates it and closes it when the walk
     # ends or is cancelled (closing it here could race the feeder still inside it).
     async with request.stream(walk, pcm=_checked(pieces, max_samples, counted)) as events:
@@ -83,10 +85,10 @@ async def encode_audio(
                     rows.append(event.value)
                 continue
             new = torch.cat(rows) if rows else torch.zeros(0)
-            rows = []
-            yield EncodedAudio(new, int(event.value), counted[0])
+            rows, frames = [], int(event.value)
+            yield EncodedAudio(new, frames, counted[0])
     if rows:  # a rows event that came after its step's frames
-        yield EncodedAudio(torch.cat(rows), -1, counted[0])
+        yield EncodedAudio(torch.cat(rows), frames, counted[0])
 
 
 async def encoded_rows(
@@ -96,7 +98,7 @@ async def encoded_rows(
     max_samples: int,
 ) -> torch.Tensor:
     """The encoder's rows for one message's audio: rows given as they are, PCM through the
-    ``hear`` walk.
+    ``hear`` walk. Cancel-safe (the walk is stopped).
 
     Raises:
         RuntimeError: the encoder made another number of rows than its output length (a bug).
@@ -104,10 +106,9 @@ async def encoded_rows(
     """
     if audio.dim() == 2:
         return audio
-    parts = [
-        piece.rows
-        async for piece in encode_audio(request, pieces_of(audio), max_samples, walk="hear")
-    ]
+    heard = encode_audio(request, pieces_of(audio), max_samples, walk="hear")
+    async with aclosing(heard) as pieces:
+        parts = [piece.rows async for piece in pieces]
     rows = torch.cat([p for p in parts if p.numel()])
     want = cfg.output_length(audio.numel() // 160)
     if rows.shape[0] != want:
