@@ -118,6 +118,10 @@ class KVCacheEngine:
       Optional ``embeds`` (``[m, hidden]``) and ``embeds_at`` (``m`` increasing offsets into
       ``tokens``): those tokens' embeddings are replaced by the rows (a model with
       ``accepts_embeds``; both ``None`` for none). A bad pair fails that step alone.
+      A model with ``take_embeds_out`` reports rows at the embeds positions (a multimodal
+      model's hidden state there, for another component): the prefill then also outputs
+      ``embeds_out`` (``[m, ...]``, one per ``embeds_at`` offset, those a resume reused
+      included; None otherwise).
       Optional ``resume`` (a handle name): on an empty sequence, start from the longest prefix
       the handle's tokens share with ``tokens`` (rows compared by content), at most all but the
       last token, and compute only the rest; an unknown handle computes everything. This rolls
@@ -398,6 +402,7 @@ class KVCacheEngine:
         params = step.inputs.get("sampling") or handle.params
         resumed = SeqState(params, make_generator(params.seed, self.device))
         resumed.keys = handle.keys[:shared]
+        resumed.row_out = {p: row for p, row in handle.row_out.items() if p < shared}
         resumed.resumed = (step, shared)
         self._sequences[key] = resumed
         if isinstance(key, tuple):
@@ -595,6 +600,9 @@ class KVCacheEngine:
             kept = seq.keys[: self.allocator.num_tokens(key)]
             self._uses += 1
             self._handles[name] = Handle(kind, seq.params, self._uses, kept)
+            self._handles[name].row_out = {
+                p: row for p, row in seq.row_out.items() if p < len(kept)
+            }
         for key in [request_id, *self._branches.pop(request_id, ())]:
             self._sequences.pop(key, None)
             if self.allocator.has(key):
@@ -609,12 +617,14 @@ class KVCacheEngine:
             # A resumed prefill has its first ``skip`` tokens in the sequence already.
             skip = seq.resumed[1] if seq.resumed is not None and seq.resumed[0] is step else 0
             rows = step.inputs.get("embeds")
+            seq.prefill_rows = []
             if rows is not None:
                 at = step.inputs["embeds_at"]
                 keys = prompt_keys(tokens, rows, at)
                 base = self.allocator.num_tokens(_key(step)) + len(seq.pending) - skip
                 rows = rows.to(self.device)
                 for j, k in enumerate(int(k) for k in at.reshape(-1).tolist()):
+                    seq.prefill_rows.append(base + k)
                     if k >= skip:
                         seq.rows[base + k] = rows[j]
                         seq.row_keys[base + k] = keys[k]
@@ -707,11 +717,12 @@ class KVCacheEngine:
         flat = [t for i in admitted for t in work[i].tokens]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         attention = StepAttention(self.cache, self.backend, meta)
-        embeds = self._embeds(steps, work, admitted)
+        embeds, where = self._embeds(steps, work, admitted)
         if embeds is None:
             hidden = self._forward(input_ids, attention)
         else:
             hidden = self._forward(input_ids, attention, embeds=embeds)
+            self._keep_embeds_out(where)
         finishing: list[int] = []
         rows: list[int] = []
         done: dict[int, StepResult] = {}
@@ -737,17 +748,42 @@ class KVCacheEngine:
         logits = self.model.compute_logits(hidden[rows]).float()
         seqs = [self._sequences[_key(steps[i])] for i in finishing]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        done.update({i: {"token": tokens[k]} for k, i in enumerate(finishing)})
+        for k, i in enumerate(finishing):
+            out: dict[str, Any] = {"token": tokens[k]}
+            if steps[i].op == "prefill":
+                out["embeds_out"] = self._embeds_out(seqs[k])
+            done[i] = out
         return done
+
+    def _keep_embeds_out(self, where: list[tuple[SeqState, int]]) -> None:
+        """Keep what the model reports at this forward's row positions (``take_embeds_out``:
+        a multimodal model's hidden rows for another component), by absolute position."""
+        take = getattr(self.model, "take_embeds_out", None)
+        out = take() if callable(take) else None
+        if out is None:
+            return
+        for (seq, position), row in zip(where, out, strict=True):
+            seq.row_out[position] = row
+
+    def _embeds_out(self, seq: SeqState) -> torch.Tensor | None:
+        """The finished prefill's ``embeds_out``: the model's rows at each of its embeds
+        positions, in order (those a resume reused come from the handle), or None."""
+        if not seq.prefill_rows:
+            return None
+        rows = [seq.row_out.get(position) for position in seq.prefill_rows]
+        kept = [row for row in rows if row is not None]
+        return torch.stack(kept) if len(kept) == len(rows) else None
 
     def _embeds(
         self, steps: Sequence[Step], work: dict[int, _Work], admitted: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[SeqState, int]]]:
         """The rows this forward's tokens take in place of their embeddings, as ``(flat
-        index, rows)``, taken from their sequences; None when there are none (called after the
-        tokens were appended, so a step's first token sits at ``num_tokens - len(tokens)``)."""
+        index, rows)``, taken from their sequences (None when there are none), and each row's
+        sequence and absolute position (called after the tokens were appended, so a step's
+        first token sits at ``num_tokens - len(tokens)``)."""
         index: list[int] = []
         rows: list[torch.Tensor] = []
+        where: list[tuple[SeqState, int]] = []
         offset = 0
         for i in admitted:
             count = len(work[i].tokens)
@@ -759,10 +795,12 @@ class KVCacheEngine:
                     if row is not None:
                         index.append(offset + j)
                         rows.append(row)
+                        where.append((seq, base + j))
             offset += count
         if not rows:
-            return None
-        return torch.tensor(index, dtype=torch.long, device=self.device), torch.stack(rows)
+            return None, where
+        flat = torch.tensor(index, dtype=torch.long, device=self.device)
+        return (flat, torch.stack(rows)), where
 
 
 def _owner(seq: Hashable) -> str | None:

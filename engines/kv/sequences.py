@@ -27,6 +27,7 @@ class Handle:
     params: SamplingParams
     used: int  # the engine's use counter when last created or hit: the LRU order
     keys: list[Hashable] = field(default_factory=list)  # of its tokens (see prompt_keys)
+    row_out: dict[int, torch.Tensor] = field(default_factory=dict)  # as SeqState's
 
 
 @dataclass
@@ -41,6 +42,10 @@ class SeqState:
     row_keys: dict[int, Hashable] = field(default_factory=dict)  # those positions' keys
     keys: list[Hashable] = field(default_factory=list)  # of its computed tokens, in order
     resumed: tuple[Step, int] | None = None  # the prefill that resumed it, and tokens reused
+    # What the model reported at row positions (``take_embeds_out``), by absolute position,
+    # and the positions of the current prefill's rows (its ``embeds_out``, in order).
+    row_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    prefill_rows: list[int] = field(default_factory=list)
 
 
 Before = tuple[list[int], Step | None, dict[int, torch.Tensor], dict[int, Hashable]]

@@ -11,6 +11,7 @@ before any encoder work; nothing is left behind on cancel.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -22,12 +23,14 @@ import anyio
 import pytest
 import torch
 
-from mstar_async.errors import RequestError
+from mstar_async.errors import EngineError, RequestError
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.audio_features import log_mel
 from mstar_async.models.qwen3_omni.audio_prompt import audio_tokens, build_prompt
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, seeded_init
+from mstar_async.models.qwen3_omni.model import talker_tokens
+from mstar_async.models.qwen3_omni.talker import talker_prompt
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.outputs import EncodedAudio, TextDelta
 from mstar_async.runtime import open_runtime
@@ -126,6 +129,7 @@ def _config() -> Any:
             "thinker_hidden_size": 32,
             "speaker_id": {"Ethan": 70},
             "spatial_merge_size": 2,
+            "accept_hidden_layer": 1,  # of the thinker's 2 layers
             **{name: 64 + i for i, name in enumerate(names)},
         },
         code2wav_config={
@@ -211,6 +215,63 @@ def test_thinker_logits_with_audio_match_upstream(folder: tuple[Any, Path]) -> N
             thinker(torch.tensor(prompt.ids), DenseCausalAttention(len(prompt.ids)))
         )
     assert float((deaf[-1] - want[-1]).abs().max()) > 1e-2
+
+
+def test_the_talker_reads_audio_positions_through_the_thinkers_hidden_rows_as_upstream(
+    folder: tuple[Any, Path],
+) -> None:
+    upstream, path = folder
+    tokenizer = ChatTokenizer.from_folder(path)
+    pcm = _speech(1.37)
+    inputs = _upstream_inputs(pcm, tokenizer)
+    weights: OmniWeights = build_model("qwen3-omni", path=path).components["thinker"].args[0]
+    thinker, encoder = weights.thinker(), weights.audio_encoder()
+    (rows,) = encoder([log_mel(pcm)])
+    ids = audio_tokens(VOCAB - 3, VOCAB - 2, None, tokenizer)
+    turn = [{"role": "user", "content": QUESTION, "audio": pcm}]
+    prompt = build_prompt(tokenizer, ids, turn, [rows.shape[0]])
+    at = torch.arange(rows.shape[0]) + prompt.audio_at[0]
+    layer = upstream.config.talker_config.accept_hidden_layer
+    with torch.no_grad():
+        states = upstream.thinker(**inputs, output_hidden_states=True).hidden_states
+        thinker(torch.tensor(prompt.ids), DenseCausalAttention(len(prompt.ids)), embeds=(at, rows))
+        heard = thinker.take_embeds_out()
+        assert heard is not None
+        torch.testing.assert_close(heard, states[layer][0, at], atol=1e-5, rtol=1e-5)
+        # Upstream's user part of the talker's input: text_projection of the embeddings, and
+        # hidden_projection of the layer's rows at the audio positions.
+        mask = inputs["input_ids"] == VOCAB - 2
+        length = len(prompt.ids)
+        whole = upstream._get_talker_user_parts(0, length, mask, states[layer], states[0])[0]
+        tokens = talker_tokens(weights.config, tokenizer, VOCAB - 2)
+        starts = [i for i, t in enumerate(prompt.ids) if t == tokens.im_start] + [length]
+        user = [
+            p
+            for s, e in itertools.pairwise(starts)
+            if prompt.ids[s + 1] == tokens.user
+            for p in range(s, e)
+        ]
+        speaker = next(iter(tokens.speakers.values()))
+        ours = talker_prompt(
+            weights.talker(),
+            weights.thinker_embedding(),
+            tokens,
+            torch.tensor(prompt.ids),
+            5,
+            speaker,
+            heard,
+        )
+    torch.testing.assert_close(ours[: len(user)], whole[user], atol=1e-5, rtol=1e-5)
+    # Without the thinker's rows the prompt is refused, not silently read as text.
+    with pytest.raises(EngineError, match="audio positions"):
+        talker_prompt(
+            weights.talker(),
+            weights.thinker_embedding(),
+            tokens,
+            torch.tensor(prompt.ids),
+            5,
+            speaker,
+        )
 
 
 @pytest.mark.anyio

@@ -15,7 +15,7 @@ import torch
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.audio_prompt import audio_tokens, build_prompt
-from mstar_async.outputs import TextDelta
+from mstar_async.outputs import AudioChunk, TextDelta
 from mstar_async.runtime import open_runtime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -30,11 +30,13 @@ def _one_thread() -> Iterator[None]:
 
 
 async def _say(runtime: Any, messages: list[dict[str, Any]], **inputs: Any) -> str:
+    given = {"max_tokens": 6, "speak": False, "ignore_eos": True, **inputs}
     with anyio.fail_after(60):
-        async with runtime.generate(
-            messages=messages, max_tokens=6, speak=False, ignore_eos=True, **inputs
-        ) as outputs:
-            return "".join([o.text async for o in outputs if isinstance(o, TextDelta)])
+        async with runtime.generate(messages=messages, **given) as outputs:
+            items = [o async for o in outputs]
+    if given["speak"]:
+        assert any(isinstance(o, AudioChunk) for o in items)
+    return "".join(o.text for o in items if isinstance(o, TextDelta))
 
 
 async def test_a_turn_reuses_the_last_turns_kv_and_answers_as_a_whole_prefill() -> None:
@@ -86,7 +88,9 @@ async def test_a_spoken_turn_is_reused_by_the_next_turn() -> None:
             {"role": "user", "content": "Why?"},
         ]
         before = thinker.reused_tokens
-        second = await _say(runtime, conversation, session="s2")
+        # Spoken: the talker reads the audio positions through the thinker's hidden rows,
+        # which the kept conversation holds for the rows it reuses.
+        second = await _say(runtime, conversation, session="s2", speak=True, max_frames=4)
         # The audio's 13 rows are part of what was reused.
         assert thinker.reused_tokens - before > rows.shape[0]
         assert second == await _say(runtime, conversation)

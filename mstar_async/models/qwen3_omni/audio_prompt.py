@@ -93,7 +93,8 @@ def check_audio(
     rows; ``None`` when it has none.
 
     Raises:
-        ValueError: audio on a model without an audio encoder; a sample rate other than
+        ValueError: audio on a model without an audio encoder or in a message that is not
+            the user's; a sample rate other than
             16 kHz; PCM of another shape or type, shorter than ``MIN_SAMPLES`` or longer than
             ``max_samples``; rows of another width than ``width``.
     """
@@ -102,6 +103,8 @@ def check_audio(
         return None
     if cfg is None:
         raise ValueError("this model has no audio encoder; send text only")
+    if message.get("role", "user") != "user":
+        raise ValueError("only user messages may carry audio")
     rate = message.get("audio_rate", SAMPLE_RATE)
     if rate != SAMPLE_RATE:
         raise ValueError(

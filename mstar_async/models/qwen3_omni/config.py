@@ -50,9 +50,16 @@ class OmniConfig:
     audio_start: int | None = None
     audio_pad: int | None = None
     audio_end: int | None = None
+    #: The thinker layer whose output the talker reads at audio positions (upstream's
+    #: ``talker_config.accept_hidden_layer``: hidden state after that many layers). One past
+    #: the thinker's layers leaves the talker unable to speak a spoken turn (it says so), as
+    #: upstream cannot; text and text-only speech are unaffected.
+    accept_hidden_layer: int = 18
 
     def __post_init__(self) -> None:
         """Raises ValueError: sizes that do not fit together."""
+        if self.accept_hidden_layer < 0:
+            raise ValueError(f"accept_hidden_layer must be >= 0, got {self.accept_hidden_layer}")
         if self.audio is not None and self.audio.output_dim != self.thinker.hidden_size:
             raise ValueError(
                 f"the audio encoder makes {self.audio.output_dim}-wide rows but the thinker is "
@@ -125,6 +132,7 @@ class OmniConfig:
             audio_start=thinker_ids.get("audio_start_token_id"),
             audio_pad=thinker_ids.get("audio_token_id"),
             audio_end=thinker_ids.get("audio_end_token_id"),
+            accept_hidden_layer=int(talker.get("accept_hidden_layer", 18)),
         )
 
 
@@ -161,6 +169,7 @@ def _sized(
         codec_think_eos=codebook + 9,
         speakers=(("ethan", codebook + 10), ("chelsie", codebook + 11)),
         audio=audio,
+        accept_hidden_layer=thinker.num_hidden_layers // 2,
     )
 
 

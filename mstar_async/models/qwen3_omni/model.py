@@ -104,8 +104,11 @@ def _role_id(tokenizer: ChatTokenizer, role: str) -> int:
     return ids[1]
 
 
-def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
-    """The special ids for ``cfg`` and ``tokenizer`` (tts ids default past the vocabulary).
+def talker_tokens(
+    cfg: OmniConfig, tokenizer: ChatTokenizer, audio_pad: int | None = None
+) -> TalkerTokens:
+    """The special ids for ``cfg`` and ``tokenizer`` (tts ids default past the vocabulary;
+    ``audio_pad``: the thinker's audio placeholder, None for a model that hears nothing).
 
     Raises:
         ValueError: the tokenizer has no ``<|im_start|>`` token.
@@ -129,6 +132,7 @@ def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
         user=_role_id(tokenizer, "user"),
         assistant=_role_id(tokenizer, "assistant"),
         speakers=cfg.speaker_ids,
+        audio_pad=audio_pad,
     )
 
 
@@ -236,7 +240,8 @@ def _nodes(audio: bool) -> list[Node]:
             engine="thinker",
             op="prefill",
             inputs=["tokens", "sampling", "embeds", "embeds_at", "resume"],
-            outputs=["token"],
+            # embeds_out: the thinker's rows at the audio placeholders, for the talker.
+            outputs=["token", "embeds_out"],
         ),
         # A conversation's thinker KV kept between its turns (see the program's ``session``).
         Node("thinker_keep", engine="thinker", op="retain", inputs=["handle", "evictable"]),
@@ -247,7 +252,7 @@ def _nodes(audio: bool) -> list[Node]:
             "talker_prefill",
             engine="talker",
             op="prefill",
-            inputs=["prompt", "first", "speaker", "sampling"],
+            inputs=["prompt", "first", "speaker", "audio_hidden", "sampling"],
             outputs=["code", "context"],
         ),
         Node(
@@ -339,7 +344,11 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
     )
     return [
         *(_audio_walks() if cfg.audio is not None else []),
-        Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
+        Walk(
+            "prefill",
+            "thinker_prefill",
+            outputs=["thinker_prefill.token", "thinker_prefill.embeds_out"],
+        ),
         Walk("keep", "thinker_keep"),
         Walk("forget", "thinker_forget", outputs=["thinker_forget.dropped"]),
         Walk("text", text, outputs=["thinker_text.token"]),
@@ -566,7 +575,11 @@ def _program(
             )
             code0 = (
                 await request.run(
-                    "voice", prompt=ids, speaker=tokens.speakers[voice], sampling=voice_params
+                    "voice",
+                    prompt=ids,
+                    speaker=tokens.speakers[voice],
+                    audio_hidden=prefill["embeds_out"],
+                    sampling=voice_params,
                 )
             )["code"]
         if code0 is None or int(code0) == tokens.codec_eos:
@@ -635,7 +648,6 @@ def build_qwen3_omni(
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
         cfg = OmniConfig.from_hf(_read_config(folder))
-    tokens = talker_tokens(cfg, tokenizer)
     audio_ids = audio_tokens(cfg.audio_start, cfg.audio_pad, cfg.audio_end, tokenizer)
     if cfg.audio is not None and max(audio_ids.start, audio_ids.pad, audio_ids.end) >= (
         cfg.thinker_vocab
@@ -650,6 +662,7 @@ def build_qwen3_omni(
         cfg = replace(cfg, audio=None)
     else:
         deaf = "this model has no audio encoder; send text only"
+    tokens = talker_tokens(cfg, tokenizer, audio_ids.pad if cfg.audio is not None else None)
     if max_audio_seconds <= 0:
         raise ValueError(f"max_audio_seconds must be > 0, got {max_audio_seconds}")
     max_samples = int(max_audio_seconds * AUDIO_IN_RATE)

@@ -25,12 +25,16 @@ class Thinker(nn.Module):
     #: The paged engine may pass ``embeds`` (rows for some positions) to ``forward``.
     accepts_embeds = True
 
-    def __init__(self, cfg: Qwen3Config, vocab: int) -> None:
+    def __init__(self, cfg: Qwen3Config, vocab: int, capture_layer: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.model = Qwen3Stack(cfg)
         self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        # The talker reads the hidden state after this many layers at audio positions; a
+        # forward with embeds keeps those rows until ``take_embeds_out``.
+        self.capture_layer = capture_layer
+        self._captured: torch.Tensor | None = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -54,16 +58,33 @@ class Thinker(nn.Module):
             ValueError: rows of another width than the hidden size.
         """
         x = self.embed_tokens(input_ids)
-        if embeds is not None:
-            index, rows = embeds
-            if rows.shape[-1] != x.shape[-1]:
-                raise ValueError(
-                    f"embeds rows are {rows.shape[-1]} wide, the thinker's hidden size is "
-                    f"{x.shape[-1]}"
-                )
-            x = x.index_copy(0, index, rows.to(x.dtype))
-        out: torch.Tensor = self.model(x, attention)
+        if embeds is None:
+            out: torch.Tensor = self.model(x, attention)
+            return out
+        index, rows = embeds
+        if rows.shape[-1] != x.shape[-1]:
+            raise ValueError(
+                f"embeds rows are {rows.shape[-1]} wide, the thinker's hidden size is {x.shape[-1]}"
+            )
+        x = x.index_copy(0, index, rows.to(x.dtype))
+        # The stack's loop, keeping the rows' hidden state after ``capture_layer`` layers
+        # (upstream's hidden_states[accept_hidden_layer]: after the norm for the last one).
+        stack, capture = self.model, self.capture_layer
+        cos, sin = stack.rotary(attention.positions, x.dtype)
+        for i, layer in enumerate(stack.layers):
+            if i == capture:
+                self._captured = x[index]
+            x = layer(x, cos, sin, attention)
+        out = stack.norm(x)
+        if capture == len(stack.layers):
+            self._captured = out[index]
         return out
+
+    def take_embeds_out(self) -> torch.Tensor | None:
+        """The rows kept by the last forward with embeds (``[m, hidden]``, in ``index``
+        order), once; None when none were kept."""
+        captured, self._captured = self._captured, None
+        return captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]``."""

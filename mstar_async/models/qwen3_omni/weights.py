@@ -178,7 +178,7 @@ class _Part:
 
 _PARTS = {
     "thinker": _Part(
-        lambda c: Thinker(c.thinker, c.thinker_vocab),
+        lambda c: Thinker(c.thinker, c.thinker_vocab, c.accept_hidden_layer),
         "thinker.",
         ("thinker.model.", "thinker.lm_head."),  # not the audio and vision towers
     ),
