@@ -199,6 +199,13 @@ async def test_speaking_over_a_reply_cancels_it_and_frees_its_memory(live: Live)
         assert (await until(conn, "response.done")).response.status == "completed"
 
 
+def new_conversation(live: Live, before: set[str]) -> str:
+    """The handle of the one conversation kept since ``before`` (the handles then)."""
+    handles = live.thinker().handles
+    (name,) = [n for n in handles if n.startswith("conversation:") and n not in before]
+    return name
+
+
 async def test_truncating_a_reply_cuts_its_text_where_playback_stopped(live: Live) -> None:
     async with connect(live) as conn:
         await conn.session.update(session=MANUAL)
@@ -216,6 +223,28 @@ async def test_truncating_a_reply_cuts_its_text_where_playback_stopped(live: Liv
         error = await until(conn, "error")
         assert error.error.param == "audio_end_ms"
     assert full  # the reply said something; nothing of it was heard at 0 ms
+
+
+async def test_a_changed_conversation_rolls_the_kept_kv_back_to_the_change(live: Live) -> None:
+    before = set(live.thinker().handles)
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(
+            response={"max_output_tokens": 12, "output_modalities": ["text"]}
+        )
+        reply = (await until(conn, "response.done")).response.output[0]
+        kept = live.thinker().handles[new_conversation(live, before)][1]
+        # The reply is gone from the conversation: the next turn may reuse the kept KV up to
+        # where the reply began, and none of the reply's 11 fed-back tokens.
+        await conn.conversation.item.delete(item_id=reply.id)
+        await until(conn, "conversation.item.deleted")
+        reused = live.thinker().reused_tokens
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
+        assert (await until(conn, "response.done")).response.status == "completed"
+        rolled_back = live.thinker().reused_tokens - reused
+    assert 0 < rolled_back <= kept - 11
 
 
 BAD_EVENTS = [
