@@ -11,8 +11,15 @@ model-defined query tokens (image latents, noisy actions) over a sequence's cach
 in both directions, over each other; ``extend`` keeps their KV, ``attend`` writes it to scratch
 blocks of a throw-away fork and frees them when the forward ends (see ``engines/kv/queries.py``).
 
+A prefill may carry *embeddings*: rows that replace the token embeddings of some of its prompt's
+positions (an audio encoder's output in place of its placeholder tokens, as multimodal LMs
+scatter theirs). They ride with the pending tokens, keyed by absolute position, so a prompt
+split over forwards still gets each row at its own position.
+
 KV state may outlive a request under a *handle* (a string): a session's sequence kept across
-turns (``retain`` / ``attach``) and named prefixes many requests fork from (``prefix``). A
+turns (``retain`` / ``attach``, or a ``prefill`` that ``resume``s from it: the longest prefix it
+shares with the new prompt is reused, the rest computed) and named prefixes many requests fork
+from (``prefix``). A
 handle's blocks stay in the shared pool, counted against the budget, until it is dropped;
 prefix handles are also evicted, least recently used first, when admission needs room.
 """
@@ -35,7 +42,9 @@ from mstar_async.engines.kv import (
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.allocator import AppendPlan
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
+from mstar_async.engines.kv.prefill_rows import check_embeds, common_prefix, prompt_keys
 from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
+from mstar_async.engines.kv.sequences import Before, Handle, HandleKey, SeqState
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError
@@ -50,22 +59,13 @@ OPS = (*TOKEN_OPS, "fork", *QUERY_OPS, *HANDLE_OPS)
 _BUILD = "\x00prefix "
 
 
-@dataclass(frozen=True, slots=True)
-class HandleKey:
-    """The allocator key of a handle's sequence: no request owns it, only the handle."""
-
-    name: str
-
-
-@dataclass
-class _Handle:
-    kind: str  # "session" (never evicted) or "prefix" (evictable)
-    params: SamplingParams
-    used: int  # the engine's use counter when last created or hit: the LRU order
-
-
 class PagedModel(Protocol):
-    """What the engine needs of a model: a flat-batch forward through ``attention``, and logits."""
+    """What the engine needs of a model: a flat-batch forward through ``attention``, and logits.
+
+    A model that takes prefill embeddings (``accepts_embeds`` true) also takes
+    ``forward(input_ids, attention, embeds=(index, rows))``: ``rows [m, hidden]`` replace the
+    embeddings of the flat positions ``index [m]``.
+    """
 
     def forward(self, input_ids: torch.Tensor, attention: Any) -> torch.Tensor: ...
 
@@ -92,18 +92,11 @@ class StepAttention:
 
 
 @dataclass
-class _Sequence:
-    params: SamplingParams
-    generator: torch.Generator | None
-    pending: list[int] = field(default_factory=list)
-    prefill: Step | None = None  # the prefill step being computed, so a resubmit is not re-added
-
-
-@dataclass
 class _Work:
     demand: Demand
     tokens: list[int] = field(default_factory=list)  # a token step's tokens this forward
-    before: tuple[list[int], Step | None] | None = None  # its sequence before it was admitted
+    # its sequence before it was admitted: pending tokens, prefill step, rows, their keys
+    before: Before | None = None
 
 
 def _token_list(value: Any) -> list[int]:
@@ -122,6 +115,18 @@ class KVCacheEngine:
     - ``prefill``: ``tokens`` (1-D tensor or list of ids), optional ``sampling``
       (``SamplingParams``) -> ``token`` (the sampled next id, a 0-dim long tensor). A second
       prefill of the same request appends to its sequence (multi-turn, or image then text).
+      Optional ``embeds`` (``[m, hidden]``) and ``embeds_at`` (``m`` increasing offsets into
+      ``tokens``): those tokens' embeddings are replaced by the rows (a model with
+      ``accepts_embeds``; both ``None`` for none). A bad pair fails that step alone.
+      A model with ``take_embeds_out`` reports rows at the embeds positions (a multimodal
+      model's hidden state there, for another component): the prefill then also outputs
+      ``embeds_out`` (``[m, ...]``, one per ``embeds_at`` offset, those a resume reused
+      included; None otherwise).
+      Optional ``resume`` (a handle name): on an empty sequence, start from the longest prefix
+      the handle's tokens share with ``tokens`` (rows compared by content), at most all but the
+      last token, and compute only the rest; an unknown handle computes everything. This rolls
+      a kept conversation back to where a new prompt departs from it (an edited or truncated
+      turn) as well as forward.
     - ``decode``: ``token`` (the last sampled id) -> ``token``.
     - ``fork``: ``seq`` (a new branch name), optional ``parent`` (a branch name; the main
       sequence if absent) -> ``seq``. The branch shares every KV block of the parent (no
@@ -129,9 +134,11 @@ class KVCacheEngine:
       was prefilled gives an empty branch.
     - ``extend``: the model's query inputs -> the model's outputs; the new tokens' KV stays.
     - ``attend``: the same, but the new tokens' KV is dropped after the forward.
-    - ``retain``: ``handle`` -> ``{}``. When the request is released (whatever its outcome),
-      its sequence is kept under ``handle``, a *session* handle: its blocks stay, never
-      evicted, until ``drop_handle``. Retaining under an existing handle replaces it.
+    - ``retain``: ``handle``, optional ``evictable`` -> ``{}``. When the request is released
+      (whatever its outcome), its sequence is kept under ``handle``, a *session* handle: its
+      blocks stay, never evicted, until ``drop_handle``; with ``evictable``, a handle evicted
+      like a prefix when admission needs room (for state a caller can recompute, as a
+      ``resume`` that finds no handle does). Retaining under an existing handle replaces it.
     - ``attach``: ``handle``, optional ``sampling`` -> ``tokens`` (the handle's length, an
       int). The sequence starts as a fork of the handle's (shared blocks, copy-on-write), so a
       following ``prefill`` computes only the new turn's tokens. Fails alone with
@@ -194,12 +201,15 @@ class KVCacheEngine:
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
         self.model = model
         self._forward = _maybe_compile(model.forward, compile)
-        self._sequences: dict[Hashable, _Sequence] = {}
+        self._sequences: dict[Hashable, SeqState] = {}
         self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
-        self._handles: dict[str, _Handle] = {}
-        self._retained: dict[str, dict[Hashable, str]] = {}  # request -> its sequence -> handle
+        self._handles: dict[str, Handle] = {}
+        # request -> its sequence -> (handle, kind)
+        self._retained: dict[str, dict[Hashable, tuple[str, str]]] = {}
         self._uses = 0
         self._peak_blocks = 0
+        #: Prompt tokens ``resume`` took from kept sequences instead of computing them.
+        self.reused_tokens = 0
 
     @property
     def handles(self) -> dict[str, tuple[str, int, int]]:
@@ -213,6 +223,12 @@ class KVCacheEngine:
             )
             for name, h in self._handles.items()
         }
+
+    @property
+    def kept_blocks(self) -> int:
+        """Distinct KV blocks that handles hold (some may be shared with live sequences too)."""
+        alloc = self.allocator
+        return len({b for name in self._handles for b in alloc.block_table(HandleKey(name))})
 
     def drop_handle(self, handle: str) -> bool:
         """Free ``handle``'s reference to its blocks (those still shared with live forks stay
@@ -233,7 +249,7 @@ class KVCacheEngine:
             return False
         return self.drop_handle(min(prefixes)[1])
 
-    def _touch(self, handle: _Handle) -> None:
+    def _touch(self, handle: Handle) -> None:
         self._uses += 1
         handle.used = self._uses
 
@@ -332,8 +348,18 @@ class KVCacheEngine:
                 if key in seen:  # admission defers it; its tokens are not taken yet
                     work[i] = _Work(Demand(key, step.request_id, 0))
                     continue
+                refused = check_embeds(step, getattr(self.model, "accepts_embeds", False))
+                if refused is not None:
+                    results[i] = refused
+                    continue
+                if step.op == "prefill" and step.inputs.get("resume"):
+                    self._resume(step, key)
                 seq = self._sequence_for(step)
-                before = None if seq.prefill is step else (list(seq.pending), seq.prefill)
+                before = (
+                    None
+                    if seq.prefill is step
+                    else (list(seq.pending), seq.prefill, dict(seq.rows), dict(seq.row_keys))
+                )
                 tokens = self._admit_tokens(step, seq)
                 demand = Demand(key, step.request_id, len(tokens), len(seq.pending), step.op)
                 work[i] = _Work(demand, tokens, before)
@@ -346,6 +372,43 @@ class KVCacheEngine:
                     work[i] = _Work(query)
                     seen.add(query.seq)
         return work
+
+    def _resume(self, step: Step, key: Hashable) -> None:
+        """Start an empty sequence as the longest prefix of handle ``resume`` that its prompt
+        shares (a fork, truncated: no memory taken but a copy-on-write block later); nothing
+        when the handle is unknown, the sequence holds tokens, or this step resumed it already
+        (a resubmit after waiting)."""
+        name = str(step.inputs["resume"])
+        seq = self._sequences.get(key)
+        if seq is not None and (
+            (seq.resumed is not None and seq.resumed[0] is step)
+            or seq.pending
+            or seq.keys
+            or (self.allocator.has(key) and self.allocator.num_tokens(key))
+        ):
+            return
+        handle = self._handles.get(name)
+        if handle is None:
+            return
+        tokens = _token_list(step.inputs.get("tokens", ()))
+        keys = prompt_keys(tokens, step.inputs.get("embeds"), step.inputs.get("embeds_at"))
+        shared = min(common_prefix(handle.keys, keys), len(tokens) - 1)
+        if shared <= 0:
+            return
+        if self.allocator.has(key):
+            self.allocator.free(key)
+        self.allocator.fork(HandleKey(name), key)
+        self.allocator.truncate(key, shared)
+        params = step.inputs.get("sampling") or handle.params
+        resumed = SeqState(params, make_generator(params.seed, self.device))
+        resumed.keys = handle.keys[:shared]
+        resumed.row_out = {p: row for p, row in handle.row_out.items() if p < shared}
+        resumed.resumed = (step, shared)
+        self._sequences[key] = resumed
+        if isinstance(key, tuple):
+            self._branches.setdefault(step.request_id, set()).add(key)
+        self._touch(handle)
+        self.reused_tokens += shared
 
     def _query_demand(
         self, step: Step, index: int, key: Hashable, scratch: list[Hashable]
@@ -400,9 +463,10 @@ class KVCacheEngine:
                 "still being computed"
             )
         self.allocator.fork(parent, child)
-        self._sequences[child] = _Sequence(
+        self._sequences[child] = SeqState(
             source.params, make_generator(source.params.seed, self.device)
         )
+        self._sequences[child].keys = list(source.keys)
         self._branches.setdefault(step.request_id, set()).add(child)
         return {"seq": name}
 
@@ -414,7 +478,8 @@ class KVCacheEngine:
         if step.op == "drop":
             return {"dropped": self.drop_handle(name)}
         if step.op == "retain":
-            self._retained.setdefault(step.request_id, {})[_key(step)] = name
+            kind = "prefix" if step.inputs.get("evictable") else "session"
+            self._retained.setdefault(step.request_id, {})[_key(step)] = (name, kind)
             return {}
         handle = self._handles.get(name)
         if handle is None:
@@ -448,7 +513,7 @@ class KVCacheEngine:
         if name not in self._handles:
             params = self._sequences[build].params
             self.allocator.fork(build, HandleKey(name))
-            self._handles[name] = _Handle("prefix", params, 0)
+            self._handles[name] = Handle("prefix", params, 0, list(self._sequences[build].keys))
         self._drop_sequence(build)
         out = self._fork_handle(step, name, _target(step))
         if isinstance(out, dict):
@@ -469,7 +534,8 @@ class KVCacheEngine:
         if current is not None:
             self.allocator.free(target)
         self.allocator.fork(HandleKey(name), target)
-        self._sequences[target] = _Sequence(params, make_generator(params.seed, self.device))
+        self._sequences[target] = SeqState(params, make_generator(params.seed, self.device))
+        self._sequences[target].keys = list(self._handles[name].keys)
         if isinstance(target, tuple):
             self._branches.setdefault(step.request_id, set()).add(target)
         return {"tokens": self.allocator.num_tokens(target)}
@@ -492,6 +558,9 @@ class KVCacheEngine:
         state = {
             "kv": read_sequence(self.allocator, self.cache, request_id),
             "pending": list(seq.pending),
+            "rows": dict(seq.rows),
+            "row_keys": dict(seq.row_keys),
+            "keys": list(seq.keys),
             "sampling": seq.params,
             "generator": None if seq.generator is None else seq.generator.get_state(),
         }
@@ -511,7 +580,10 @@ class KVCacheEngine:
             raise EngineError(f"request {request_id} is already held by this engine")
         write_sequence(self.allocator, self.cache, request_id, state["kv"])
         params: SamplingParams = state["sampling"]
-        seq = _Sequence(params, make_generator(params.seed, self.device), list(state["pending"]))
+        seq = SeqState(params, make_generator(params.seed, self.device), list(state["pending"]))
+        seq.rows = {int(k): v.to(self.device) for k, v in state.get("rows", {}).items()}
+        seq.row_keys = dict(state.get("row_keys", {}))
+        seq.keys = list(state.get("keys", []))
         if seq.generator is not None and state["generator"] is not None:
             seq.generator.set_state(state["generator"])
         self._sequences[request_id] = seq
@@ -519,32 +591,51 @@ class KVCacheEngine:
     def release(self, request_id: str) -> None:
         """Keep the sequences the request retained under their handles, then free its KV blocks
         (main sequence and branches) and sampling state; idempotent."""
-        for key, name in self._retained.pop(request_id, {}).items():
+        for key, (name, kind) in self._retained.pop(request_id, {}).items():
             seq = self._sequences.get(key)
             if seq is None or not self.allocator.has(key):
                 continue  # nothing was ever computed on it: there is nothing to keep
             self.drop_handle(name)
             self.allocator.fork(key, HandleKey(name))
-            self._handles[name] = _Handle("session", seq.params, 0)
+            kept = seq.keys[: self.allocator.num_tokens(key)]
+            self._uses += 1
+            self._handles[name] = Handle(kind, seq.params, self._uses, kept)
+            self._handles[name].row_out = {
+                p: row for p, row in seq.row_out.items() if p < len(kept)
+            }
         for key in [request_id, *self._branches.pop(request_id, ())]:
             self._sequences.pop(key, None)
             if self.allocator.has(key):
                 self.allocator.free(key)
 
-    def _admit_tokens(self, step: Step, seq: _Sequence) -> list[int]:
+    def _admit_tokens(self, step: Step, seq: SeqState) -> list[int]:
         """The tokens this step computes now (its budget's worth of its pending tokens)."""
         if step.op in ("prefill", "prefix") and seq.prefill is not step:
             tokens = _token_list(step.inputs.get("tokens", ()))
             if not tokens:
                 raise EngineError(f"request {step.request_id}: {step.op} got no tokens")
-            seq.pending.extend(tokens)
+            # A resumed prefill has its first ``skip`` tokens in the sequence already.
+            skip = seq.resumed[1] if seq.resumed is not None and seq.resumed[0] is step else 0
+            rows = step.inputs.get("embeds")
+            seq.prefill_rows = []
+            if rows is not None:
+                at = step.inputs["embeds_at"]
+                keys = prompt_keys(tokens, rows, at)
+                base = self.allocator.num_tokens(_key(step)) + len(seq.pending) - skip
+                rows = rows.to(self.device)
+                for j, k in enumerate(int(k) for k in at.reshape(-1).tolist()):
+                    seq.prefill_rows.append(base + k)
+                    if k >= skip:
+                        seq.rows[base + k] = rows[j]
+                        seq.row_keys[base + k] = keys[k]
+            seq.pending.extend(tokens[skip:])
             seq.prefill = step
         elif step.op == "decode":
             seq.pending = _token_list(step.inputs["token"])
         budget = step.budget or len(seq.pending)
         return seq.pending[:budget]
 
-    def _sequence_for(self, step: Step) -> _Sequence:
+    def _sequence_for(self, step: Step) -> SeqState:
         key = _key(step)
         seq = self._sequences.get(key)
         if seq is not None and step.op == "prefix" and seq.prefill is not step:
@@ -559,24 +650,24 @@ class KVCacheEngine:
             )
         return self._new_sequence(key, step.inputs.get("sampling") or GREEDY)
 
-    def _new_sequence(self, key: Hashable, params: SamplingParams) -> _Sequence:
-        seq = _Sequence(params, make_generator(params.seed, self.device))
+    def _new_sequence(self, key: Hashable, params: SamplingParams) -> SeqState:
+        seq = SeqState(params, make_generator(params.seed, self.device))
         self._sequences[key] = seq
         self.allocator.add(key)
         if isinstance(key, tuple):
             self._branches.setdefault(key[0], set()).add(key)
         return seq
 
-    def _undo_tokens(
-        self, step: Step, before: tuple[list[int], Step | None] | None, *, failed: bool
-    ) -> None:
+    def _undo_tokens(self, step: Step, before: Before | None, *, failed: bool) -> None:
         """A token step that did not run leaves no trace: should it be withdrawn, nothing of
         it may reach the sequence's next step. A failed step that had begun drops the rest."""
         seq = self._sequences[_key(step)]
         if before is not None:
-            seq.pending, seq.prefill = before
+            seq.pending, seq.prefill, seq.rows, seq.row_keys = before
         elif failed:
             seq.pending.clear()
+            seq.rows.clear()
+            seq.row_keys.clear()
             seq.prefill = None
 
     def _run(
@@ -625,7 +716,13 @@ class KVCacheEngine:
         meta = self.backend.plan(BatchLayout.from_plans(self.allocator, plans))
         flat = [t for i in admitted for t in work[i].tokens]
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        hidden = self._forward(input_ids, StepAttention(self.cache, self.backend, meta))
+        attention = StepAttention(self.cache, self.backend, meta)
+        embeds, where = self._embeds(steps, work, admitted)
+        if embeds is None:
+            hidden = self._forward(input_ids, attention)
+        else:
+            hidden = self._forward(input_ids, attention, embeds=embeds)
+            self._keep_embeds_out(where)
         finishing: list[int] = []
         rows: list[int] = []
         done: dict[int, StepResult] = {}
@@ -633,6 +730,11 @@ class KVCacheEngine:
         for i in admitted:
             seq = self._sequences[_key(steps[i])]
             end += len(work[i].tokens)
+            base = self.allocator.num_tokens(_key(steps[i])) - len(work[i].tokens)
+            seq.keys.extend(
+                seq.row_keys.pop(base + j, token) if seq.row_keys else token
+                for j, token in enumerate(work[i].tokens)
+            )
             del seq.pending[: len(work[i].tokens)]
             if not seq.pending:
                 seq.prefill = None
@@ -646,8 +748,59 @@ class KVCacheEngine:
         logits = self.model.compute_logits(hidden[rows]).float()
         seqs = [self._sequences[_key(steps[i])] for i in finishing]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        done.update({i: {"token": tokens[k]} for k, i in enumerate(finishing)})
+        for k, i in enumerate(finishing):
+            out: dict[str, Any] = {"token": tokens[k]}
+            if steps[i].op == "prefill":
+                out["embeds_out"] = self._embeds_out(seqs[k])
+            done[i] = out
         return done
+
+    def _keep_embeds_out(self, where: list[tuple[SeqState, int]]) -> None:
+        """Keep what the model reports at this forward's row positions (``take_embeds_out``:
+        a multimodal model's hidden rows for another component), by absolute position."""
+        take = getattr(self.model, "take_embeds_out", None)
+        out = take() if callable(take) else None
+        if out is None:
+            return
+        for (seq, position), row in zip(where, out, strict=True):
+            seq.row_out[position] = row
+
+    def _embeds_out(self, seq: SeqState) -> torch.Tensor | None:
+        """The finished prefill's ``embeds_out``: the model's rows at each of its embeds
+        positions, in order (those a resume reused come from the handle), or None."""
+        if not seq.prefill_rows:
+            return None
+        rows = [seq.row_out.get(position) for position in seq.prefill_rows]
+        kept = [row for row in rows if row is not None]
+        return torch.stack(kept) if len(kept) == len(rows) else None
+
+    def _embeds(
+        self, steps: Sequence[Step], work: dict[int, _Work], admitted: list[int]
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[SeqState, int]]]:
+        """The rows this forward's tokens take in place of their embeddings, as ``(flat
+        index, rows)``, taken from their sequences (None when there are none), and each row's
+        sequence and absolute position (called after the tokens were appended, so a step's
+        first token sits at ``num_tokens - len(tokens)``)."""
+        index: list[int] = []
+        rows: list[torch.Tensor] = []
+        where: list[tuple[SeqState, int]] = []
+        offset = 0
+        for i in admitted:
+            count = len(work[i].tokens)
+            seq = self._sequences[_key(steps[i])]
+            if seq.rows:
+                base = self.allocator.num_tokens(_key(steps[i])) - count
+                for j in range(count):
+                    row = seq.rows.pop(base + j, None)
+                    if row is not None:
+                        index.append(offset + j)
+                        rows.append(row)
+                        where.append((seq, base + j))
+            offset += count
+        if not rows:
+            return None, where
+        flat = torch.tensor(index, dtype=torch.long, device=self.device)
+        return (flat, torch.stack(rows)), where
 
 
 def _owner(seq: Hashable) -> str | None:

@@ -13,10 +13,8 @@ API's 24 kHz pcm16) goes out in 20 ms pieces at the pace a microphone would deli
 VAD finds where the turn starts and ends, commits it and starts the reply. ``--commit`` turns
 server VAD off and commits the buffer by hand after the last piece instead.
 
-Today qwen3-omni cannot hear yet (its audio input is not wired): a spoken turn is detected and
-committed, then its reply is refused with ``audio_input_unsupported`` (a failed response with
-server VAD, an ``error`` event for ``--commit``'s ``response.create``), which this prints
-(exit status 1). Typed turns are answered.
+qwen3-omni hears the turn while it is spoken (the server streams it into the model's audio
+encoder) and answers it with speech. A refusal or a failed reply is printed (exit status 1).
 """
 
 from __future__ import annotations

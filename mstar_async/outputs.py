@@ -44,6 +44,18 @@ class AudioChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodedAudio:
+    """Speech heard so far: the encoder ``rows`` this piece completed (``[n, hidden]``, often
+    ``n`` = 0; joined in order they are the utterance's encoding), ``frames`` (feature frames
+    of the utterance through the encoder's convolutions so far) and ``samples`` (samples
+    received so far)."""
+
+    rows: torch.Tensor
+    frames: int
+    samples: int
+
+
+@dataclass(frozen=True, slots=True)
 class ImageOutput:
     """An image as a float tensor [channels, height, width] with values in [0, 1]."""
 

@@ -255,6 +255,27 @@ class PagedKVAllocator:
         self._pool.incref(parent.blocks)
         self._tables[child_id] = _Table(list(parent.blocks), parent.num_tokens)
 
+    def truncate(self, seq_id: Hashable, n: int) -> int:
+        """Keep the first ``n`` tokens of the sequence: its blocks past them lose one reference
+        (a block still shared with another holder stays with it); return blocks released. A
+        kept last block that is partly filled and shared is copied on the next append, as
+        after a fork.
+
+        Raises:
+            EngineError: unknown ``seq_id``, or ``n`` negative or past its length.
+        """
+        self._check_n(n)
+        table = self._table(seq_id)
+        if n > table.num_tokens:
+            raise EngineError(
+                f"cannot truncate {seq_id!r} to {n} tokens: it holds {table.num_tokens}"
+            )
+        keep = -(-n // self._block_size)
+        released = self._pool.decref(table.blocks[keep:])
+        del table.blocks[keep:]
+        table.num_tokens = n
+        return len(released)
+
     def free(self, seq_id: Hashable) -> int:
         """Drop the sequence and one reference to each of its blocks; return blocks released.
 

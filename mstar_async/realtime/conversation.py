@@ -3,23 +3,32 @@ model reads them.
 
 Items are messages (user text or audio, assistant text or spoken text), function calls the
 model made and the outputs the client sent back. The model reads the conversation as chat
-messages: a user's audio is read through its transcript, an assistant's spoken reply as the
-text it spoke (cut where the client said playback stopped), a function call as the model's
-own ``<tool_call>`` text, its output as a ``tool`` message.
+messages: a user's audio as speech (the encoder's rows when the session heard it as it was
+spoken, else its 16 kHz PCM for the request to encode) for a model that hears, else through its
+transcript; an assistant's spoken reply as the text it spoke (cut where the client said playback
+stopped), a function call as the model's own ``<tool_call>`` text, its output as a ``tool``
+message.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from mstar_async.realtime.events import RealtimeError, new_id
+from mstar_async.realtime.resample import PcmResampler
 
 MAX_ITEMS = 512
 MAX_TEXT_CHARS = 32_768
+#: The longest audio part ``conversation.item.create`` takes: two minutes, as the input buffer.
+MAX_ITEM_AUDIO_S = 120
+_CLIENT_RATE = 24_000
 
 
 @dataclass
@@ -29,6 +38,7 @@ class Message:
     role: str
     text: str = ""
     audio: np.ndarray | None = None  # a user's speech, 16 kHz
+    rows: torch.Tensor | None = None  # its encoding, when the session heard it while spoken
     spoken: bool = False  # an assistant reply given as audio (its text is the transcript)
     audio_ms: int = 0
     status: str = "completed"
@@ -170,19 +180,26 @@ class Conversation:
         """
         del self.items[self.index(item_id)]
 
-    def messages(self, instructions: str) -> list[dict[str, str]]:
-        """The conversation as chat messages for the model, ``instructions`` first.
+    def messages(self, instructions: str, *, hears: bool = False) -> list[dict[str, Any]]:
+        """The conversation as chat messages for the model, ``instructions`` first; with
+        ``hears`` (a model with an audio encoder) a user's audio is a message's ``"audio"``:
+        its rows if heard, else its 16 kHz PCM as a float tensor.
 
         Raises:
-            RealtimeError: a user's audio has no transcript (the model cannot hear it).
+            RealtimeError: a user's audio has no transcript and the model cannot hear it.
         """
-        out = [{"role": "system", "content": instructions}] if instructions else []
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": instructions}] if instructions else []
+        )
         for item in self.items:
             if isinstance(item, FunctionCall):
                 call = json.dumps({"name": item.name, "arguments": _arguments(item.arguments)})
                 out.append({"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"})
             elif isinstance(item, FunctionOutput):
                 out.append({"role": "tool", "content": item.output})
+            elif item.audio is not None and hears:
+                speech = item.rows if item.rows is not None else torch.from_numpy(item.audio)
+                out.append({"role": item.role, "content": item.text, "audio": speech})
             elif item.audio is not None and not item.text:
                 raise RealtimeError(
                     f"item {item.id!r} is audio this model cannot hear: it has no audio input "
@@ -254,7 +271,55 @@ def _parse_kind(item: dict[str, Any], kind: Any) -> Item:
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
         raise RealtimeError("item.role must be user, assistant or system", param="item.role")
-    return Message(role, _content_text(item.get("content")))
+    content = item.get("content")
+    audio = _content_audio(content)
+    if audio is not None and role != "user":
+        raise RealtimeError("only a user item may carry input_audio audio", param="item.role")
+    return Message(role, _content_text(content), audio=audio)
+
+
+def _content_audio(content: Any) -> np.ndarray | None:
+    """A user item's ``input_audio`` part with ``audio`` (base64 pcm16 at 24 kHz) as 16 kHz
+    samples; None when it has none. Its length is checked before it is decoded.
+
+    Raises:
+        RealtimeError: more than one audio part, audio that is not base64, or longer than
+            ``MAX_ITEM_AUDIO_S`` (names the part and the fix).
+    """
+    if not isinstance(content, list):
+        return None
+    parts = [
+        (i, part)
+        for i, part in enumerate(content)
+        if isinstance(part, dict) and part.get("type") == "input_audio" and "audio" in part
+    ]
+    if not parts:
+        return None
+    if len(parts) > 1:
+        raise RealtimeError("an item takes one input_audio part", param="item.content")
+    i, part = parts[0]
+    data = part["audio"]
+    limit = MAX_ITEM_AUDIO_S * _CLIENT_RATE * 2
+    if not isinstance(data, str) or len(data) * 3 // 4 > limit + 2:
+        raise RealtimeError(
+            f"item.content[{i}].audio must be base64 pcm16 at 24 kHz, at most "
+            f"{MAX_ITEM_AUDIO_S} s; send longer speech through input_audio_buffer",
+            param=f"item.content[{i}].audio",
+        )
+    try:
+        pcm = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError(
+            f"item.content[{i}].audio is not valid base64", param=f"item.content[{i}].audio"
+        ) from None
+    resampler = PcmResampler()
+    samples = np.concatenate([resampler.push(pcm), resampler.flush()])
+    if samples.size < 1_600:
+        raise RealtimeError(
+            f"item.content[{i}].audio holds {samples.size // 16} ms; send at least 100 ms",
+            param=f"item.content[{i}].audio",
+        )
+    return samples
 
 
 def _content_text(content: Any) -> str:
@@ -265,14 +330,16 @@ def _content_text(content: Any) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "input_audio" and isinstance(part.get("audio"), str):
+            continue  # speech (see _content_audio)
         elif kind in ("input_audio", "audio", "output_audio") and isinstance(
             part.get("transcript"), str
         ):
             texts.append(part["transcript"])
         else:
             raise RealtimeError(
-                f"item.content[{i}]: give a text part ({{'type': 'input_text', 'text': ...}}); "
-                "audio parts need a 'transcript' here (send speech through input_audio_buffer)",
+                f"item.content[{i}]: give a text part ({{'type': 'input_text', 'text': ...}}) "
+                "or an input_audio part with 'audio' (base64 pcm16, 24 kHz) or a 'transcript'",
                 param=f"item.content[{i}]",
             )
     text = "".join(texts)

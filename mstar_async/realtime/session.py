@@ -7,6 +7,12 @@ other session's frames); its probabilities drive the turn detector. At speech st
 response is cancelled (barge-in) when ``interrupt_response`` is on; at speech stop the buffer
 is committed as a user message and, with ``create_response``, a response starts.
 
+For a model that hears (``hear`` given), the buffer's samples also stream into the model's audio
+encoder as the user talks (``hearing.py``): with server VAD as the VAD judges them, so the
+encoder holds exactly the turn when the VAD ends it, without VAD as they are appended. A commit
+finishes that encoding (what is left is the last partial second) and the user message carries
+its rows, which the response's thinker reads in place of its audio placeholders.
+
 At most one response runs at a time. A response is one request of the model's program over the
 conversation; cancelling it (``response.cancel``, barge-in, the client leaving) closes that
 request, which frees its KV at once. Every refused client event is answered with an ``error``
@@ -21,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -36,6 +43,13 @@ from mstar_async.realtime.audio_buffer import AudioBuffer
 from mstar_async.realtime.config import SessionConfig, max_tokens
 from mstar_async.realtime.conversation import Conversation, Message, parse_item
 from mstar_async.realtime.events import EventNames, RealtimeError, new_id
+from mstar_async.realtime.hearing import (
+    Hear,
+    HeardTurn,
+    Hearing,
+    UnheardSamples,
+    encode_whole,
+)
 from mstar_async.realtime.resample import PcmResampler
 from mstar_async.realtime.response import ResponseRun, Spoken
 from mstar_async.realtime.turns import SpeechStarted, SpeechStopped, TurnDetector
@@ -54,7 +68,9 @@ _FRAME_MS = FRAME * 1000 / SAMPLE_RATE
 
 Send = Callable[[dict[str, Any] | None], Awaitable[None]]
 #: Starts one response request: (conversation messages, response settings) -> model outputs.
-Respond = Callable[[list[dict[str, str]], SessionConfig], Any]
+Respond = Callable[[list[dict[str, Any]], SessionConfig], Any]
+#: Committed turns whose hearing a session remembers (``heard``).
+HEARD_TURNS = 64
 
 
 class RealtimeSession:
@@ -62,7 +78,11 @@ class RealtimeSession:
 
     ``respond(messages, config)`` is an async context manager factory yielding the model's
     outputs and, after, its usage (see ``server.realtime``); ``vad`` the runtime of the
-    ``silero-vad`` model, or None when server VAD is not available.
+    ``silero-vad`` model, or None when server VAD is not available; ``hear`` starts an encoder
+    request of the served model (None: the model hears nothing, and committed speech without a
+    transcript cannot be answered); ``on_heard`` is told how each committed turn was heard;
+    ``forget`` frees what the model kept of the conversation, once the session has ended and
+    its last response is closed.
     """
 
     def __init__(
@@ -75,8 +95,21 @@ class RealtimeSession:
         vad: Runtime | None,
         beta: bool,
         config: SessionConfig,
+        hear: Hear | None = None,
+        on_heard: Callable[[HeardTurn], None] | None = None,
+        forget: Callable[[], Awaitable[None]] | None = None,
+        session_id: str | None = None,
     ) -> None:
-        self.id = new_id("sess")
+        self.id = session_id or new_id("sess")
+        self.forget = forget
+        self.hear = hear
+        self.on_heard = on_heard
+        self.hearing: Hearing | None = None
+        self.unheard = UnheardSamples()  # appended, not yet judged by the VAD
+        self.heard: deque[HeardTurn] = deque(maxlen=HEARD_TURNS)
+        self._hearings = 0
+        self._vad_frames = 0
+        self._vad_origin = 0  # the timeline sample the VAD's stream starts at
         self.send = send
         self.respond = respond
         self.model = model
@@ -108,7 +141,8 @@ class RealtimeSession:
 
     async def run(self, events: AsyncIterator[Any]) -> None:
         """Serve ``events`` (decoded client events) until they end; then stop what runs.
-        Cancel-safe: a response in flight is closed and its request released."""
+        Cancel-safe: a response in flight is closed and its request released, then what the
+        model kept of the conversation is freed (shielded)."""
         await self.send(self.event("session.created", session=self._session_json()))
         try:
             async with anyio.create_task_group() as tg:
@@ -120,6 +154,13 @@ class RealtimeSession:
             self._tg = None
             if self._vad_in is not None:
                 self._vad_in.close()
+            if self.hearing is not None:
+                self.hearing.cancel()
+            if self.forget is not None:
+                # After the task group: every response is released, so nothing retains the
+                # conversation again after this.
+                with anyio.CancelScope(shield=True):
+                    await self.forget()
 
     async def handle(self, event: Any) -> None:
         """Act on one client event; a refused one becomes an ``error`` event."""
@@ -179,14 +220,56 @@ class RealtimeSession:
             raise RealtimeError("'audio' is not valid base64", param="audio") from None
         samples = self.resampler.push(pcm)
         self.buffer.append(samples)
-        if samples.size and self.turns is not None:
+        if not samples.size:
+            return
+        if self.hear is not None:
+            self.unheard.push(samples)
+        if self.turns is not None:
             await self._to_vad(samples)
+        else:  # no VAD to wait for: the encoder hears what is appended
+            await self._hear(self.unheard.until(self.buffer.start + self.buffer.samples))
+
+    async def _hear(self, samples: np.ndarray) -> None:
+        """Feed the encoder the buffer's next samples, starting a hearing for the turn."""
+        if self.hear is None or not samples.size:
+            return
+        if self.hearing is None:
+            assert self._tg is not None
+            self._hearings += 1
+            self.hearing = Hearing(self.hear, self._tg, f"{self.id}-hear-{self._hearings}")
+        await self.hearing.feed(samples)
+
+    async def _finish_hearing(self, samples: int) -> torch.Tensor | None:
+        """The rows of the ``samples`` just taken from the buffer (None: the response encodes
+        them); records how far the encoder had got when the turn ended."""
+        hearing, self.hearing = self.hearing, None
+        if hearing is None:
+            return None
+        await hearing.feed(self.unheard.until(self.buffer.start))  # what the VAD had not judged
+        if hearing.fed != samples:  # not the turn's samples (cannot happen; be safe)
+            hearing.cancel()
+            return None
+        at_end = hearing.frames
+        rows = await hearing.finish()
+        turn = HeardTurn(samples, samples // 160, at_end, 0 if rows is None else rows.shape[0])
+        self.heard.append(turn)
+        log.info(
+            "realtime.turn_heard",
+            session=self.id,
+            seconds=samples / SAMPLE_RATE,
+            unheard_s=turn.unheard_s,
+            rows=turn.rows,
+        )
+        if self.on_heard is not None:
+            self.on_heard(turn)
+        return rows
 
     async def _to_vad(self, samples: np.ndarray) -> None:
         if self._vad_in is None:
             assert self._tg is not None and self.vad is not None
             send, receive = anyio.create_memory_object_stream[torch.Tensor](VAD_BACKLOG)
             self._vad_in = send
+            self._vad_origin = self.buffer.start + self.buffer.samples - samples.size
             self._tg.start_soon(self._listen, self.vad, receive)
         await self._vad_in.send(torch.from_numpy(samples))
 
@@ -199,6 +282,11 @@ class RealtimeSession:
         try:
             async with vad.generate(audio=audio(), request_id=f"{self.id}-vad") as probabilities:
                 async for probability in probabilities:
+                    # The encoder hears what the VAD has judged, so that at a turn's end it
+                    # holds exactly the turn.
+                    self._vad_frames += 1
+                    judged = self._vad_origin + self._vad_frames * FRAME
+                    await self._hear(self.unheard.until(judged))
                     if self.turns is None:
                         continue
                     turn = self.turns.frame(probability)
@@ -259,7 +347,9 @@ class RealtimeSession:
         self.pending_item = None
 
     async def _commit(self, item_id: str, samples: int) -> None:
-        message = Message("user", audio=self.buffer.take(samples), id=item_id)
+        audio = self.buffer.take(samples)
+        rows = await self._finish_hearing(audio.size)
+        message = Message("user", audio=audio, rows=rows, id=item_id)
         previous = self.conversation.add(message)
         await self.send(
             self.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
@@ -281,6 +371,10 @@ class RealtimeSession:
 
     async def _clear(self, event: dict[str, Any]) -> None:
         self.buffer.take(self.buffer.samples)
+        if self.hearing is not None:
+            self.hearing.cancel()
+            self.hearing = None
+        self.unheard.drop(self.buffer.start)
         if self.turns is not None:
             self.turns.reset()
         self.pending_item = None
@@ -294,6 +388,13 @@ class RealtimeSession:
         if previous is not None and not isinstance(previous, str):
             raise RealtimeError("previous_item_id must be a string", param="previous_item_id")
         before = self.conversation.add(item, previous)
+        if isinstance(item, Message) and item.audio is not None and self.hear is not None:
+            # Encoded once, here: every later turn reads the same rows, so the model's kept
+            # conversation matches them (a response encoding it each time might round
+            # differently in another batch).
+            self._hearings += 1
+            name = f"{self.id}-item-{self._hearings}"
+            item.rows = await encode_whole(self.hear, item.audio, name)
         body = item.as_json(beta=self.names.beta)
         await self.send(self.event("conversation.item.added", previous_item_id=before, item=body))
         await self.send(self.event("conversation.item.done", previous_item_id=before, item=body))
@@ -358,7 +459,7 @@ class RealtimeSession:
             )
         config, metadata = _response_config(self.config, overrides)
         try:
-            messages = self.conversation.messages(_system(config))
+            messages = self.conversation.messages(_system(config), hears=self.hear is not None)
         except RealtimeError as refused:
             if not server:
                 raise
@@ -378,7 +479,7 @@ class RealtimeSession:
     async def _run_response(
         self,
         run: ResponseRun,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         config: SessionConfig,
         scope: anyio.CancelScope,
     ) -> None:

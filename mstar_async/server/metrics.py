@@ -79,6 +79,21 @@ class ServerMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.turn_audio = Histogram(
+            "mstar_realtime_turn_audio_seconds",
+            "speech of each committed realtime turn",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.turn_unheard = Histogram(
+            "mstar_realtime_turn_unheard_seconds",
+            "speech of a committed realtime turn the audio encoder had not yet convolved when "
+            "the turn ended (what was left to encode after the user stopped)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(RuntimeCollector(models))
 
     def count(self, model: str, route: str, status: int) -> None:

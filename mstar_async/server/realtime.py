@@ -6,7 +6,12 @@ sends ``OpenAI-Beta: realtime=v1`` (or, from a browser, offers the subprotocol
 ``openai-beta.realtime-v1``) gets the beta event names. Each response is one request of
 the model, admitted like any other (a model at its in-flight bound fails the response, with
 ``rate_limit_exceeded`` in its ``status_details``, and the session goes on). Server VAD runs
-on the ``silero-vad`` model the server opens beside the served ones.
+on the ``silero-vad`` model the server opens beside the served ones. A model that hears
+(``info["audio_input_rate"]``) also gets one ``encode_only`` request per user turn, fed the
+turn's speech while it is spoken; these are not counted against the model's in-flight bound
+(they hold no KV cache), as the VAD's are not. A model whose program takes ``session`` keeps
+the conversation's KV between the session's responses (each response passes the session's id)
+and frees it when the session ends.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import anyio
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from mstar_async.errors import MstarError
 from mstar_async.logs import get_logger
 from mstar_async.realtime.config import SessionConfig
-from mstar_async.realtime.events import RealtimeError
+from mstar_async.realtime.events import RealtimeError, new_id
+from mstar_async.realtime.hearing import Hear, HeardTurn
 from mstar_async.realtime.session import RealtimeSession
 from mstar_async.server.errors import APIError
 from mstar_async.server.served import ServedModel
@@ -58,12 +65,14 @@ class _Reply:
         }
 
 
-def _responder(state: ServerState, served: ServedModel) -> Any:
+def _responder(state: ServerState, served: ServedModel, session_id: str) -> Any:
     @asynccontextmanager
     async def respond(
-        messages: list[dict[str, str]], config: SessionConfig
+        messages: list[dict[str, Any]], config: SessionConfig
     ) -> AsyncIterator[_Reply]:
         inputs: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens}
+        if "session" in served.inputs:  # the model keeps the conversation's KV between turns
+            inputs["session"] = session_id
         if "temperature" in served.inputs:
             inputs["temperature"] = config.temperature
         if "speak" in served.inputs:
@@ -83,6 +92,47 @@ def _responder(state: ServerState, served: ServedModel) -> Any:
             await tracked.close()
 
     return respond
+
+
+def _hearer(served: ServedModel) -> Hear | None:
+    """Starts the model's encoder over a turn's streamed 16 kHz speech; None for a model that
+    hears nothing."""
+    if not served.runtime.model.info.get("audio_input_rate"):
+        return None
+
+    @asynccontextmanager
+    async def hear(audio: Any, request_id: str) -> AsyncIterator[Any]:
+        async with served.runtime.generate(
+            audio=audio, encode_only=True, request_id=request_id
+        ) as outputs:
+            yield outputs
+
+    return hear
+
+
+def _forgetter(served: ServedModel, session_id: str) -> Any:
+    """Frees what the model kept of the session's conversation; None for a model that keeps
+    nothing."""
+    if "end_session" not in served.inputs:
+        return None
+
+    async def forget() -> None:
+        try:
+            async with served.runtime.generate(session=session_id, end_session=True) as out:
+                async for _ in out:
+                    pass
+        except MstarError as exc:  # the runtime is closing: its pool goes with it
+            log.warning("realtime.forget_failed", session=session_id, error=repr(exc))
+
+    return forget
+
+
+def _heard(state: ServerState, model: str) -> Any:
+    def record(turn: HeardTurn) -> None:
+        state.metrics.turn_audio.labels(model=model).observe(turn.samples / 16_000)
+        state.metrics.turn_unheard.labels(model=model).observe(turn.unheard_s)
+
+    return record
 
 
 def _check_model(served: ServedModel) -> int:
@@ -136,14 +186,19 @@ async def realtime(ws: WebSocket) -> None:
 
     voices = tuple(str(v).lower() for v in served.runtime.model.info.get("voices", ()))
     config = SessionConfig(modalities=("text", "audio") if rate else ("text",), voices=voices)
+    session_id = new_id("sess")
     session = RealtimeSession(
         send,
-        _responder(state, served),
+        _responder(state, served, session_id),
         model=served.name,
         model_rate=rate or 24_000,
         vad=state.vad,
         beta=beta,
         config=config,
+        hear=_hearer(served),
+        on_heard=_heard(state, served.name),
+        forget=_forgetter(served, session_id),
+        session_id=session_id,
     )
     log.info("realtime.start", session=session.id, model=served.name, beta=beta)
     try:

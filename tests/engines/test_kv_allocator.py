@@ -255,3 +255,22 @@ def test_flashinfer_is_not_imported_at_module_import() -> None:
         n.module for n in top_level if isinstance(n, ast.ImportFrom) and n.module
     }
     assert not any(name and name.startswith("flashinfer") for name in names)
+
+
+def test_truncate_frees_the_tail_keeps_shared_blocks_and_copies_a_shared_last_block() -> None:
+    alloc = PagedKVAllocator(num_blocks=8, block_size=4)
+    alloc.add("A")
+    alloc.append("A", 10)  # blocks 0, 1, 2 (2 holds tokens 8, 9)
+    alloc.fork("A", "B")
+    assert alloc.truncate("B", 5) == 0  # block 2 is still A's: nothing freed
+    assert alloc.block_table("B") == [0, 1] and alloc.num_tokens("B") == 5
+    assert refcounts(alloc)[:3] == [2, 2, 1]
+    plan = alloc.append("B", 1)  # block 1 is shared and partly kept: B copies it first
+    assert plan.copies == ((1, 3),) and plan.slots == (3 * 4 + 1,)
+    # A alone holds blocks 1 (B has its copy) and 2; block 0 stays with B.
+    assert alloc.truncate("A", 0) == 2
+    assert alloc.block_table("A") == [] and alloc.num_tokens("A") == 0
+    assert refcounts(alloc)[:4] == [1, 0, 0, 1]
+    alloc.check_invariants()
+    with pytest.raises(EngineError, match="holds 6"):
+        alloc.truncate("B", 7)

@@ -48,6 +48,11 @@ class AudioEncoderStream:
         return self._frames
 
     @property
+    def convolved(self) -> int:
+        """Mel frames already through the convolutions (in chunks embedded so far)."""
+        return self._frames - int(self._pending.shape[1])
+
+    @property
     def tokens(self) -> int:
         """Rows :func:`encode_streams` has returned for this utterance so far."""
         return self._tokens

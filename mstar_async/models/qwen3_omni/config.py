@@ -22,7 +22,10 @@ class OmniConfig:
 
     ``tts_*`` ids of ``None`` are placed right after the tokenizer's vocabulary (a seeded model
     over a tokenizer that has no such tokens); codec ids are in the talker's vocabulary.
-    ``audio`` is the thinker's audio encoder (``None``: a config without one).
+    ``audio`` is the thinker's audio encoder (``None``: a config without one); ``audio_*``
+    are the thinker's ids of ``<|audio_start|>``, ``<|audio_pad|>`` (upstream's
+    ``audio_token_id``) and ``<|audio_end|>``, ``None`` where the tokenizer (or, seeded, the
+    three ids after the tts ids) gives them.
     """
 
     thinker: Qwen3Config
@@ -44,9 +47,19 @@ class OmniConfig:
     tts_pad: int | None = None
     seed: int = 0
     audio: AudioEncoderConfig | None = None
+    audio_start: int | None = None
+    audio_pad: int | None = None
+    audio_end: int | None = None
+    #: The thinker layer whose output the talker reads at audio positions (upstream's
+    #: ``talker_config.accept_hidden_layer``: hidden state after that many layers). One past
+    #: the thinker's layers leaves the talker unable to speak a spoken turn (it says so), as
+    #: upstream cannot; text and text-only speech are unaffected.
+    accept_hidden_layer: int = 18
 
     def __post_init__(self) -> None:
         """Raises ValueError: sizes that do not fit together."""
+        if self.accept_hidden_layer < 0:
+            raise ValueError(f"accept_hidden_layer must be >= 0, got {self.accept_hidden_layer}")
         if self.audio is not None and self.audio.output_dim != self.thinker.hidden_size:
             raise ValueError(
                 f"the audio encoder makes {self.audio.output_dim}-wide rows but the thinker is "
@@ -86,6 +99,7 @@ class OmniConfig:
             predictor = talker["code_predictor_config"]
             code2wav = config.get("code2wav_config", {})
             audio = config["thinker_config"].get("audio_config")
+            thinker_ids = config["thinker_config"]
         except KeyError as missing:
             raise ValueError(f"Qwen3-Omni config.json lacks {missing}") from None
         talker_shape = replace(
@@ -115,6 +129,10 @@ class OmniConfig:
             tts_eos=config.get("tts_eos_token_id"),
             tts_pad=config.get("tts_pad_token_id"),
             audio=None if audio is None else AudioEncoderConfig.from_hf(audio),
+            audio_start=thinker_ids.get("audio_start_token_id"),
+            audio_pad=thinker_ids.get("audio_token_id"),
+            audio_end=thinker_ids.get("audio_end_token_id"),
+            accept_hidden_layer=int(talker.get("accept_hidden_layer", 18)),
         )
 
 
@@ -140,7 +158,7 @@ def _sized(
         talker=talker,
         predictor=predictor,
         code2wav=code2wav,
-        thinker_vocab=0,  # the tokenizer's vocabulary + the three tts ids, set by the builder
+        thinker_vocab=0,  # the tokenizer's vocabulary + 3 tts + 3 audio ids, set by the builder
         talker_vocab=codebook + specials,
         num_code_groups=groups,
         codec_pad=codebook,
@@ -151,6 +169,7 @@ def _sized(
         codec_think_eos=codebook + 9,
         speakers=(("ethan", codebook + 10), ("chelsie", codebook + 11)),
         audio=audio,
+        accept_hidden_layer=thinker.num_hidden_layers // 2,
     )
 
 

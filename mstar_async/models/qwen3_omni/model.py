@@ -13,6 +13,10 @@ Graph (engines in brackets)::
                                             v
                                      code2wav [code2wav] --> PCM
 
+Speech in: ``audio_in [audio]`` (the thinker's audio tower) encodes 16 kHz PCM fed to it as a
+streamed walk input (walk ``listen`` while the user talks, ``hear`` for whole audio); its rows
+replace the audio placeholders' embeddings in ``thinker_prefill`` (see ``audio_prompt``).
+
 Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt) and
 ``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``). The
 talker's loop reads the thinker's tokens one per frame and goes on after they end, with
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
@@ -56,19 +60,40 @@ from mstar_async.models.checkpoints import (
     IncrementalDecoder,
     smollm2_folder,
 )
+from mstar_async.models.qwen3_omni.audio_engine import AudioInEngine
+from mstar_async.models.qwen3_omni.audio_features import SAMPLE_RATE as AUDIO_IN_RATE
+from mstar_async.models.qwen3_omni.audio_program import (
+    HEAR_CHUNK,
+    LISTEN_BUFFER,
+    LISTEN_CHUNK,
+    encode_audio,
+    encoded_rows,
+    pieces_of,
+    with_turn,
+)
+from mstar_async.models.qwen3_omni.audio_prompt import (
+    AudioTokens,
+    audio_rows,
+    audio_tokens,
+    build_prompt,
+    check_audio,
+    pcm_piece,
+)
 from mstar_async.models.qwen3_omni.config import SAMPLE_RATE, SIZES, OmniConfig
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
-from mstar_async.policies import LeftContextChunkPolicy
+from mstar_async.policies import FixedChunkPolicy, LeftContextChunkPolicy
 
 __all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_omni", "seeded_config", "talker_tokens"]
 
 CHUNK = 25
 LEFT_CONTEXT = 25
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+#: The longest utterance a request may carry by default (5 min of speech, 3,900 thinker rows).
+MAX_AUDIO_SECONDS = 300.0
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -79,8 +104,11 @@ def _role_id(tokenizer: ChatTokenizer, role: str) -> int:
     return ids[1]
 
 
-def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
-    """The special ids for ``cfg`` and ``tokenizer`` (tts ids default past the vocabulary).
+def talker_tokens(
+    cfg: OmniConfig, tokenizer: ChatTokenizer, audio_pad: int | None = None
+) -> TalkerTokens:
+    """The special ids for ``cfg`` and ``tokenizer`` (tts ids default past the vocabulary;
+    ``audio_pad``: the thinker's audio placeholder, None for a model that hears nothing).
 
     Raises:
         ValueError: the tokenizer has no ``<|im_start|>`` token.
@@ -104,6 +132,7 @@ def talker_tokens(cfg: OmniConfig, tokenizer: ChatTokenizer) -> TalkerTokens:
         user=_role_id(tokenizer, "user"),
         assistant=_role_id(tokenizer, "assistant"),
         speakers=cfg.speaker_ids,
+        audio_pad=audio_pad,
     )
 
 
@@ -122,14 +151,14 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
     """The seeded model's config: ``size``'s shapes over ``tokenizer``'s vocabulary plus the
-    three tts ids.
+    three tts ids and the three audio ids.
 
     Raises:
         ValueError: an unknown size.
     """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; sizes: {sorted(SIZES)}")
-    return replace(SIZES[size], thinker_vocab=tokenizer.vocab_size + 3, seed=seed)
+    return replace(SIZES[size], thinker_vocab=tokenizer.vocab_size + 6, seed=seed)
 
 
 # ------------------------------------------------------------------------------ engines
@@ -174,6 +203,10 @@ def _code2wav_engine(weights: OmniWeights) -> StatelessEngine:
     return StatelessEngine({"decode": weights.code2wav().decode}, device=weights.device)
 
 
+def _audio_engine(weights: OmniWeights, max_samples: int) -> AudioInEngine:
+    return AudioInEngine(weights.audio_encoder(), max_samples=max_samples, device=weights.device)
+
+
 # ------------------------------------------------------------------------------ graph
 
 
@@ -196,22 +229,30 @@ def _frames_done(codec_eos: int, talker: str) -> Callable[[LoopStep], bool]:
     return until
 
 
-def _nodes() -> list[Node]:
+def _nodes(audio: bool) -> list[Node]:
+    heard = [
+        Node("audio_in", engine="audio", op="encode", inputs=["pcm"], outputs=["rows", "frames"])
+    ]
     return [
+        *(heard if audio else []),
         Node(
             "thinker_prefill",
             engine="thinker",
             op="prefill",
-            inputs=["tokens", "sampling"],
-            outputs=["token"],
+            inputs=["tokens", "sampling", "embeds", "embeds_at", "resume"],
+            # embeds_out: the thinker's rows at the audio placeholders, for the talker.
+            outputs=["token", "embeds_out"],
         ),
+        # A conversation's thinker KV kept between its turns (see the program's ``session``).
+        Node("thinker_keep", engine="thinker", op="retain", inputs=["handle", "evictable"]),
+        Node("thinker_forget", engine="thinker", op="drop", inputs=["handle"], outputs=["dropped"]),
         Node("thinker_text", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
         Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
         Node(
             "talker_prefill",
             engine="talker",
             op="prefill",
-            inputs=["prompt", "first", "speaker", "sampling"],
+            inputs=["prompt", "first", "speaker", "audio_hidden", "sampling"],
             outputs=["code", "context"],
         ),
         Node(
@@ -256,6 +297,26 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
     ]
 
 
+def _audio_walks() -> list[Walk]:
+    outputs = ["audio_in.rows", "audio_in.frames"]
+    return [
+        Walk(
+            "listen",
+            "audio_in",
+            streams={"audio_in.pcm": FixedChunkPolicy(LISTEN_CHUNK)},
+            outputs=outputs,
+            max_buffer=LISTEN_BUFFER,
+        ),
+        Walk(
+            "hear",
+            "audio_in",
+            streams={"audio_in.pcm": FixedChunkPolicy(HEAR_CHUNK)},
+            outputs=outputs,
+            max_buffer=2,
+        ),
+    ]
+
+
 def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
     text = DynamicLoop(
         "thinker_text",
@@ -282,7 +343,14 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         outlives_streams=True,
     )
     return [
-        Walk("prefill", "thinker_prefill", outputs=["thinker_prefill.token"]),
+        *(_audio_walks() if cfg.audio is not None else []),
+        Walk(
+            "prefill",
+            "thinker_prefill",
+            outputs=["thinker_prefill.token", "thinker_prefill.embeds_out"],
+        ),
+        Walk("keep", "thinker_keep"),
+        Walk("forget", "thinker_forget", outputs=["thinker_forget.dropped"]),
         Walk("text", text, outputs=["thinker_text.token"]),
         Walk("voice", "talker_prefill", outputs=["talker_prefill.code"]),
         Walk(
@@ -323,16 +391,24 @@ async def _speak(
                     yield TextDelta(rest)
 
 
-def _prompt_ids(
-    tokenizer: ChatTokenizer, text: str, messages: list[dict[str, str]] | None
-) -> list[int]:
-    conversation = messages or [{"role": "user", "content": text}]
-    return tokenizer.encode(tokenizer.apply_chat_template(conversation))
+def _placeholders(cfg: OmniConfig, message: Mapping[str, Any]) -> int:
+    """Audio placeholders a message's audio takes, for counting (0 for what is not audio)."""
+    audio = message.get("audio")
+    if cfg.audio is None or not isinstance(audio, torch.Tensor) or audio.dim() not in (1, 2):
+        return 0
+    return audio_rows(cfg.audio, audio)
 
 
-def _counter(tokenizer: ChatTokenizer) -> TokenCounter:
+def _counter(cfg: OmniConfig, tokenizer: ChatTokenizer, ids: AudioTokens) -> TokenCounter:
     def count(inputs: Mapping[str, Any]) -> int:
-        return len(_prompt_ids(tokenizer, inputs.get("text", ""), inputs.get("messages")))
+        audio = inputs.get("audio")
+        # Streamed speech counts once heard (max_audio_seconds bounds it); whole PCM now.
+        whole = audio if isinstance(audio, torch.Tensor) else None
+        if audio is not None and whole is None:
+            whole = torch.zeros(0, cfg.thinker.hidden_size)
+        conversation = with_turn(inputs.get("text", ""), inputs.get("messages"), whole)
+        counts = [_placeholders(cfg, m) for m in conversation if m.get("audio") is not None]
+        return len(build_prompt(tokenizer, ids, conversation, counts).ids)
 
     return count
 
@@ -350,13 +426,64 @@ def _context_tokens(cfg: OmniConfig, dtype: torch.dtype, kv_cache_bytes: int) ->
     )
 
 
+async def _heard(
+    request: Any,
+    cfg: OmniConfig,
+    max_samples: int,
+    text: str,
+    messages: list[dict[str, Any]] | None,
+    audio: Any,
+) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """The conversation and its audio parts' encoder rows, in order. Every message's audio is
+    checked before any of it is encoded; streamed ``audio`` is encoded as it arrives.
+
+    Raises:
+        ValueError: audio the model cannot take (see ``check_audio``).
+    """
+    width = cfg.thinker.hidden_size
+    for message in messages or []:
+        check_audio(message, cfg.audio, width, max_samples)
+    turn = None
+    if audio is not None:
+        if cfg.audio is None:
+            raise ValueError("this model has no audio encoder; send text only")
+        if isinstance(audio, AsyncIterable):
+            heard = encode_audio(request, audio, max_samples)
+            async with aclosing(heard) as pieces:
+                rows = [piece.rows async for piece in pieces if piece.rows.numel()]
+            turn = torch.cat(rows)
+        else:
+            turn = check_audio({"audio": pcm_piece(audio)}, cfg.audio, width, max_samples)
+    conversation = with_turn(text, messages, turn)
+    parts = [m["audio"] for m in conversation if m.get("audio") is not None]
+    rows = []
+    for part in parts:
+        assert cfg.audio is not None  # check_audio refused audio without an encoder
+        rows.append(await encoded_rows(request, part, cfg.audio, max_samples))
+    return conversation, rows
+
+
+def _handle(session: str) -> str:
+    """The thinker KV handle of conversation ``session``."""
+    return f"conversation:{session}"
+
+
 def _program(
-    tokenizer: ChatTokenizer, tokens: TalkerTokens
+    cfg: OmniConfig,
+    tokenizer: ChatTokenizer,
+    tokens: TalkerTokens,
+    audio_ids: AudioTokens,
+    max_samples: int,
+    deaf: str,
 ) -> Callable[..., AsyncGenerator[Any, None]]:
     async def program(
         request: Any,
         text: str = "",
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        audio: Any = None,
+        encode_only: bool = False,
+        session: str | None = None,
+        end_session: bool = False,
         max_tokens: int = 64,
         speak: bool = True,
         seed: int = 0,
@@ -370,12 +497,43 @@ def _program(
         ignore_eos: bool = False,
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
+        heard_any = audio is not None or any(m.get("audio") is not None for m in messages or [])
+        if heard_any and cfg.audio is None:
+            raise ValueError(deaf)
+        if encode_only:
+            # Only hear: the encoder's rows as the speech arrives (a later request's messages
+            # can carry them as {"role": "user", "audio": rows}); whole PCM in 8 s steps.
+            if audio is None:
+                raise ValueError("encode_only needs audio= (16 kHz PCM)")
+            streamed = isinstance(audio, AsyncIterable)
+            pieces = audio if streamed else pieces_of(pcm_piece(audio))
+            walk = "listen" if streamed else "hear"
+            async with aclosing(encode_audio(request, pieces, max_samples, walk=walk)) as heard:
+                async for piece in heard:
+                    yield piece
+            return
+        if end_session:
+            # The conversation is over: its kept KV goes back to the pool.
+            if not session:
+                raise ValueError("end_session needs session=<the conversation's name>")
+            await request.run("forget", handle=_handle(session))
+            return
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         voice = (speaker or next(iter(tokens.speakers))).lower()
         if voice not in tokens.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; speakers: {sorted(tokens.speakers)}")
-        ids = torch.tensor(_prompt_ids(tokenizer, text, messages))
+        conversation, rows = await _heard(request, cfg, max_samples, text, messages, audio)
+        prompt = build_prompt(tokenizer, audio_ids, conversation, [r.shape[0] for r in rows])
+        ids = torch.tensor(prompt.ids)
+        embeds = torch.cat(rows) if rows else None
+        embeds_at = (
+            torch.cat(
+                [torch.arange(r.shape[0]) + at for r, at in zip(rows, prompt.audio_at, strict=True)]
+            )
+            if rows
+            else None
+        )
         stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
@@ -386,7 +544,19 @@ def _program(
             stop_token_ids=stop_ids,
         )
         detok = IncrementalDecoder(tokenizer)
-        first = int((await request.run("prefill", tokens=ids, sampling=sampling))["token"])
+        if session:
+            # Keep this turn's thinker KV for the next (evictable: a turn that finds it gone
+            # computes the conversation again), and start from the last turn's.
+            await request.run("keep", handle=_handle(session), evictable=True)
+        prefill = await request.run(
+            "prefill",
+            tokens=ids,
+            sampling=sampling,
+            embeds=embeds,
+            embeds_at=embeds_at,
+            resume=_handle(session) if session else None,
+        )
+        first = int(prefill["token"])
         if first in stop_ids:
             return
         if delta := detok.push(first):
@@ -405,7 +575,11 @@ def _program(
             )
             code0 = (
                 await request.run(
-                    "voice", prompt=ids, speaker=tokens.speakers[voice], sampling=voice_params
+                    "voice",
+                    prompt=ids,
+                    speaker=tokens.speakers[voice],
+                    audio_hidden=prefill["embeds_out"],
+                    sampling=voice_params,
                 )
             )["code"]
         if code0 is None or int(code0) == tokens.codec_eos:
@@ -450,10 +624,12 @@ def build_qwen3_omni(
     max_iterations: int = 4096,
     chunk: int = CHUNK,
     left_context: int = LEFT_CONTEXT,
+    max_audio_seconds: float = MAX_AUDIO_SECONDS,
 ) -> Model:
     """Build the model: seeded weights of ``size`` (``tiny`` or ``small``) over the SmolLM2
     tokenizer, or, with ``path``, a Qwen3-Omni checkpoint folder (its config, tokenizer and
-    weights by upstream names; audio/vision towers ignored).
+    weights by upstream names; the vision tower ignored). Requests may carry 16 kHz speech
+    (``audio``, or ``"audio"`` in a user message) of at most ``max_audio_seconds`` each.
 
     The tokenizer loads here; weights load when the engines are built on their worker. A
     request's prompt plus ``max_tokens`` may not pass what the thinker's and the talker's KV
@@ -472,17 +648,39 @@ def build_qwen3_omni(
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
         cfg = OmniConfig.from_hf(_read_config(folder))
-    tokens = talker_tokens(cfg, tokenizer)
+    audio_ids = audio_tokens(cfg.audio_start, cfg.audio_pad, cfg.audio_end, tokenizer)
+    if cfg.audio is not None and max(audio_ids.start, audio_ids.pad, audio_ids.end) >= (
+        cfg.thinker_vocab
+    ):
+        # A checkpoint whose audio ids the thinker cannot embed cannot hear: serve it deaf
+        # (its audio tower is never loaded) and say why when audio comes.
+        deaf = (
+            f"this checkpoint's audio token ids ({audio_ids.start}, {audio_ids.pad}, "
+            f"{audio_ids.end}) are outside the thinker's vocabulary of {cfg.thinker_vocab}; "
+            "fix thinker_config's audio_start_token_id / audio_token_id / audio_end_token_id"
+        )
+        cfg = replace(cfg, audio=None)
+    else:
+        deaf = "this model has no audio encoder; send text only"
+    tokens = talker_tokens(cfg, tokenizer, audio_ids.pad if cfg.audio is not None else None)
+    if max_audio_seconds <= 0:
+        raise ValueError(f"max_audio_seconds must be > 0, got {max_audio_seconds}")
+    max_samples = int(max_audio_seconds * AUDIO_IN_RATE)
     torch_dtype = _DTYPES[dtype]
     # Parts are built on the worker, when (and only if) an engine placed there needs them.
     weights = OmniWeights(cfg, folder, torch_dtype, device)
     return Model(
         "qwen3-omni",
-        nodes=_nodes(),
+        nodes=_nodes(cfg.audio is not None),
         edges=_edges(chunk, left_context),
         walks=_walks(cfg, max_iterations),
-        program=_program(tokenizer, tokens),
+        program=_program(cfg, tokenizer, tokens, audio_ids, max_samples, deaf),
         components={
+            **(
+                {"audio": functools.partial(_audio_engine, weights, max_samples)}
+                if cfg.audio is not None
+                else {}
+            ),
             "thinker": functools.partial(_thinker_engine, weights, kv_cache_bytes),
             "talker": functools.partial(_talker_engine, weights, tokens, kv_cache_bytes),
             "predictor": functools.partial(_predictor_engine, weights, kv_cache_bytes // 4),
@@ -493,10 +691,12 @@ def build_qwen3_omni(
             "sample_rate": SAMPLE_RATE,
             "voice_input": "speaker",
             "voices": sorted(tokens.speakers),
+            # Speech in: 16 kHz PCM (0: the model hears nothing).
+            "audio_input_rate": AUDIO_IN_RATE if cfg.audio is not None else 0,
         },
         context=ContextLimit(
             _context_tokens(cfg, torch_dtype, kv_cache_bytes),
-            _counter(tokenizer),
+            _counter(cfg, tokenizer, audio_ids),
             token_chars=tokenizer.max_token_chars,
         ),
     )

@@ -14,10 +14,11 @@ Per codec frame (upstream ``Qwen3OmniMoeTalkerForConditionalGeneration``):
    speaks on.
 
 The talker's prompt is built as upstream's ``_get_talker_user_parts`` /
-``_get_talker_assistant_parts`` do for text input: every user turn's thinker embeddings through
-``text_projection``, then the assistant header with ``tts_pad`` x4 + ``tts_bos`` + the first
-generated text token on the text side and ``nothink, think_bos, think_eos, speaker, pad, bos``
-on the codec side.
+``_get_talker_assistant_parts`` do: every user turn's thinker embeddings through
+``text_projection``, except at audio positions, where the thinker's hidden state after
+``accept_hidden_layer`` layers goes through ``hidden_projection``; then the assistant header
+with ``tts_pad`` x4 + ``tts_bos`` + the first generated text token on the text side and
+``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class TalkerTokens:
     user: int
     assistant: int
     speakers: Mapping[str, int] = field(default_factory=dict)
+    audio_pad: int | None = None  # the thinker's audio placeholder (None: no audio input)
 
 
 class ResizeMLP(nn.Module):
@@ -168,11 +170,15 @@ def talker_prompt(
     prompt: torch.Tensor,
     first: int,
     speaker: int,
+    audio_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The talker's prefill rows for a text prompt and the thinker's first generated token.
+    """The talker's prefill rows for a prompt and the thinker's first generated token;
+    ``audio_hidden`` holds the thinker's rows (after ``accept_hidden_layer`` layers) at the
+    prompt's audio placeholders, in order.
 
     Raises:
-        EngineError: the prompt has no ``<|im_start|>`` + assistant header.
+        EngineError: the prompt has no ``<|im_start|>`` + assistant header, or audio
+            placeholders in user turns without as many ``audio_hidden`` rows.
     """
     ids = [int(t) for t in prompt.reshape(-1).tolist()]
     starts = [i for i, t in enumerate(ids) if t == tokens.im_start]
@@ -210,8 +216,35 @@ def talker_prompt(
     ]
     codec = talker.codec_embedding.weight[torch.tensor(codec_ids)]
     codec = torch.cat([codec.new_zeros(k, codec.shape[1]), codec])
-    parts = [project(user)] if user else []
+    parts = [_user_rows(talker, project, tokens, user, audio_hidden)] if user else []
     return torch.cat([*parts, text + codec])
+
+
+def _user_rows(
+    talker: Talker,
+    project: Any,
+    tokens: TalkerTokens,
+    user: list[int],
+    audio_hidden: torch.Tensor | None,
+) -> torch.Tensor:
+    """The user turns' rows: ``text_projection`` of their embeddings, and at audio
+    placeholders ``hidden_projection`` of the thinker's hidden rows (upstream's
+    ``_get_talker_user_parts``)."""
+    rows: torch.Tensor = project(user)
+    if tokens.audio_pad is None:
+        return rows
+    at = [i for i, t in enumerate(user) if t == tokens.audio_pad]
+    if not at:
+        return rows
+    if audio_hidden is None or audio_hidden.shape[0] != len(at):
+        got = 0 if audio_hidden is None else audio_hidden.shape[0]
+        raise EngineError(
+            f"the talker's prompt has {len(at)} audio positions in user turns but got {got} "
+            "thinker rows for them (the thinker prefill's embeds_out; none when the config's "
+            "talker_config.accept_hidden_layer is past the thinker's layers)"
+        )
+    heard: torch.Tensor = talker.hidden_projection(audio_hidden.to(rows.dtype))
+    return rows.index_copy(0, torch.tensor(at, device=rows.device), heard)
 
 
 def _text_token(tokens: TalkerTokens, text: Chunk | StreamEnd) -> int:
@@ -239,7 +272,8 @@ def talker_ops(
     """The talker engine's ops.
 
     - ``prefill``: ``prompt`` (thinker prompt ids), ``first`` (thinker's first token),
-      ``speaker`` (codec speaker id), ``sampling`` -> ``code`` (codebook 0 of frame 0),
+      ``speaker`` (codec speaker id), ``audio_hidden`` (the thinker's rows at the prompt's
+      audio placeholders, or None), ``sampling`` -> ``code`` (codebook 0 of frame 0),
       ``context`` (``[2, hidden]``: the code predictor's first rows).
     - ``decode``: ``text`` (the text stream's chunk holding the next thinker token, or
       ``StreamEnd`` after the text), ``code`` (this frame's codebook 0), ``codes`` (its residual
@@ -250,7 +284,13 @@ def talker_ops(
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
         speaker = int(inputs["speaker"])
         return talker_prompt(
-            talker, thinker_embed, tokens, inputs["prompt"], int(inputs["first"]), speaker
+            talker,
+            thinker_embed,
+            tokens,
+            inputs["prompt"],
+            int(inputs["first"]),
+            speaker,
+            inputs.get("audio_hidden"),
         )
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:

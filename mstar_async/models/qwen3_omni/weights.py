@@ -4,10 +4,10 @@ A rank builds the parts its engines need and nothing else: the thinker's engine 
 talker's engine the talker (with its code predictor) and the thinker's embedding table alone
 (the talker projects thinker embeddings of the text, as upstream does); the code predictor's
 engine the code predictor (taken from the talker when that is built); code2wav's engine
-code2wav. From a checkpoint folder a part is built on the meta device and its tensors are
-streamed from the safetensors files straight into their final dtype and device
-(``checkpoints.streaming``), so a rank reads from disk only its parts' tensors and never holds a
-second copy; the audio and vision towers are never read.
+code2wav; the audio encoder's engine the thinker's audio tower. From a checkpoint folder a part
+is built on the meta device and its tensors are streamed from the safetensors files straight
+into their final dtype and device (``checkpoints.streaming``), so a rank reads from disk only its
+parts' tensors and never holds a second copy; the vision tower is never read.
 
 Parts are owned by the engines holding them: an ``OmniWeights`` (one per built model) keeps only
 weak references, so engines built together share a part (the talker's and the code predictor's
@@ -36,6 +36,7 @@ from mstar_async.models.checkpoints.streaming import (
     empty_module,
     load_weights,
 )
+from mstar_async.models.qwen3_omni.audio_encoder import AudioEncoder
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav
 from mstar_async.models.qwen3_omni.config import OmniConfig
 from mstar_async.models.qwen3_omni.decoder import seeded_init
@@ -50,6 +51,9 @@ _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # transformers 5 names the thinker's text model ``thinker.model.language_model``; the released
 # files name it ``thinker.model``.
 _THINKER_TEXT, _THINKER_TEXT_V5 = "thinker.model.", "thinker.model.language_model."
+# The audio tower: ``thinker.audio_tower`` in the released files, under ``thinker.model`` in
+# transformers 5's in-memory model.
+_AUDIO, _AUDIO_V5 = "thinker.audio_tower.", "thinker.model.audio_tower."
 
 
 def upstream_layout(prefix: str, names: Collection[str]) -> Layout:
@@ -61,9 +65,14 @@ def upstream_layout(prefix: str, names: Collection[str]) -> Layout:
     """
 
     def present(name: str) -> str:
-        if name in names or not name.startswith(_THINKER_TEXT):
+        if name in names:
             return name
-        renamed = _THINKER_TEXT_V5 + name[len(_THINKER_TEXT) :]
+        if name.startswith(_AUDIO):
+            renamed = _AUDIO_V5 + name[len(_AUDIO) :]
+        elif name.startswith(_THINKER_TEXT):
+            renamed = _THINKER_TEXT_V5 + name[len(_THINKER_TEXT) :]
+        else:
+            return name
         return renamed if renamed in names else name
 
     def pieces(param: str, shape: tuple[int, ...]) -> Sequence[Piece]:
@@ -152,6 +161,12 @@ def build_talker(cfg: OmniConfig) -> Talker:
     )
 
 
+def _build_audio(cfg: OmniConfig) -> AudioEncoder:
+    if cfg.audio is None:
+        raise ValueError("this config has no audio encoder (no thinker audio_config)")
+    return AudioEncoder(cfg.audio)
+
+
 @dataclass(frozen=True)
 class _Part:
     build: Callable[[OmniConfig], nn.Module]
@@ -163,7 +178,7 @@ class _Part:
 
 _PARTS = {
     "thinker": _Part(
-        lambda c: Thinker(c.thinker, c.thinker_vocab),
+        lambda c: Thinker(c.thinker, c.thinker_vocab, c.accept_hidden_layer),
         "thinker.",
         ("thinker.model.", "thinker.lm_head."),  # not the audio and vision towers
     ),
@@ -181,6 +196,7 @@ _PARTS = {
         within=("talker", "code_predictor"),
     ),
     "code2wav": _Part(lambda c: Code2Wav(c.code2wav), "code2wav.", ("code2wav.",), seed=2),
+    "audio_encoder": _Part(_build_audio, _AUDIO, (_AUDIO, _AUDIO_V5), seed=3),
 }
 
 
@@ -232,6 +248,11 @@ class OmniWeights:
         """The vocoder. Raises as ``thinker``."""
         return self._part("code2wav", Code2Wav)
 
+    def audio_encoder(self) -> AudioEncoder:
+        """The thinker's audio tower (``thinker.audio_tower.*``). Raises as ``thinker``, and
+        ValueError for a config without one."""
+        return self._part("audio_encoder", AudioEncoder)
+
     def _part(self, name: str, kind: type[P]) -> P:
         with self._lock:
             module = self._live.get(name)
@@ -271,7 +292,10 @@ class OmniWeights:
         whole_name, path = within if within is not None else (name, "")
         part = _PARTS[whole_name]
         module = part.build(self.config)
-        seeded_init(module, self.config.seed + part.seed)
+        # ln_post keeps LayerNorm's identity init (seeded_audio_encoder's rule: seeded_init
+        # knows norms by a suffix that upstream's name for it lacks).
+        skip = ("ln_post",) if isinstance(module, AudioEncoder) else ()
+        seeded_init(module, self.config.seed + part.seed, skip=skip)
         if isinstance(module, Code2Wav):
             _speak_softly(module, self.config.seed + part.seed)
         module.to(device=self.device, dtype=self.dtype).eval()
