@@ -36,11 +36,12 @@ from mstar_async.models.checkpoints import (
     smollm2_folder,
 )
 from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
-from mstar_async.models.checkpoints.smollm2 import smollm2_gguf_path
+from mstar_async.models.checkpoints.smollm2 import default_cache_dir, smollm2_gguf_path
 from mstar_async.models.context import decoder_context
 from mstar_async.models.llama import DecoderConfig, PagedDecoder
 from mstar_async.models.quant.decoder import FORMS
 from mstar_async.models.quant.kernels import require_kernels
+from mstar_async.models.quant.packed_cache import cached_quantized, packed_path
 from mstar_async.models.registry import register
 from mstar_async.models.stop_strings import StopStrings
 from mstar_async.outputs import TextDelta, TextEnd
@@ -62,8 +63,9 @@ def load_decoder(
     """The decoder of the checkpoint in ``folder`` on ``device``, read tensor by tensor, in
     ``dtype`` or, with ``quantize``, its linears in that weight form (see
     ``PagedDecoder.from_source``). ``gguf`` names a GGUF file to read the weights from instead
-    of the folder's safetensors (its blocks are kept where the form takes them). Blocks on the
-    reads.
+    of the folder's safetensors (its blocks are kept where the form takes them); a quantized
+    form of it is packed once and read back from the cache directory on later starts
+    (``quant.packed_cache``). Blocks on the reads.
 
     Raises:
         CheckpointError: a file is missing or unreadable.
@@ -71,8 +73,17 @@ def load_decoder(
         QuantizationUnsupported: the form needs a kernel this torch lacks on ``device``.
     """
     config = read_config(folder)
-    source = GGUFTensors(gguf, config) if gguf is not None else SafetensorsFolder(folder)
-    return PagedDecoder.from_source(config, source, dtype=dtype, device=device, quantize=quantize)
+
+    def build() -> PagedDecoder:
+        source = SafetensorsFolder(folder) if gguf is None else GGUFTensors(gguf, config)
+        return PagedDecoder.from_source(
+            config, source, dtype=dtype, device=device, quantize=quantize
+        )
+
+    if gguf is None or quantize is None:
+        return build()
+    path = packed_path(gguf, quantize, dtype, default_cache_dir())
+    return cached_quantized(config, path, build, dtype=dtype, device=device)
 
 
 def build_lm_engine(

@@ -13,10 +13,12 @@ from gguf import GGMLQuantizationType as Kind
 from mstar_async.bench.quality import SequenceAttention, compare, greedy_continuations
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.models.checkpoints import SafetensorsFolder, read_config
+from mstar_async.models.checkpoints.errors import CheckpointError
 from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
 from mstar_async.models.checkpoints.streaming import StateDictSource
 from mstar_async.models.llama import QUANTIZED_HEAD_MAX_ROWS, DecoderConfig, PagedDecoder
 from mstar_async.models.quant import QuantLinear, decoder
+from mstar_async.models.quant.packed_cache import cached_quantized, load_packed, packed_path
 from tests.checkpoints.tiny import CHATML_TEMPLATE, make_llama, train_tokenizer, write_gguf
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 3, 250, 7, 61], [11], [200, 201, 202]]
@@ -190,3 +192,35 @@ def test_a_checkpoint_missing_a_linear_is_refused_before_any_read(tiny_folder: P
         PagedDecoder.from_source(config, Without(), quantize="int8")
     with pytest.raises(ValueError, match="quantize must be one of"):
         PagedDecoder.from_source(config, source, quantize="int2")
+
+
+def test_packed_weights_are_read_back_instead_of_packed_again(
+    q4_gguf: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    path, config = q4_gguf
+    packed = packed_path(path, "int4", torch.bfloat16, tmp_path)
+    builds: list[PagedDecoder] = []
+
+    def build() -> PagedDecoder:
+        model = PagedDecoder.from_source(
+            config, GGUFTensors(path, config), dtype=torch.bfloat16, quantize="int4"
+        )
+        builds.append(model)
+        return model
+
+    first = cached_quantized(config, packed, build, dtype=torch.bfloat16, device="cpu")
+    again = cached_quantized(config, packed, build, dtype=torch.bfloat16, device="cpu")
+    assert len(builds) == 1 and packed.is_file()
+    layer = again.model.layers[0]
+    assert isinstance(layer.qkv_proj, QuantLinear) and layer.qkv_proj.scheme == "int4"
+    assert isinstance(again.lm_head, QuantLinear) and again.lm_head.scheme == "int8"
+    ids = [3, 14, 15, 92, 65]
+    assert torch.equal(_logits(again, ids), _logits(first, ids))
+    # Another dtype is another file; a damaged file is rebuilt, never used.
+    assert packed_path(path, "int4", torch.float32, tmp_path) != packed
+    packed.write_bytes(packed.read_bytes()[:1000])
+    rebuilt = cached_quantized(config, packed, build, dtype=torch.bfloat16, device="cpu")
+    assert len(builds) == 2 and torch.equal(_logits(rebuilt, ids), _logits(first, ids))
+    with pytest.raises(CheckpointError, match="bfloat16 scales, not torch.float32"):
+        load_packed(config, packed, dtype=torch.float32, device="cpu")
+    assert [p.name for p in packed.parent.iterdir()] == [packed.name]  # no partial files left

@@ -85,6 +85,58 @@ class QuantLinear(nn.Module):
             "bias", None if bias is None else bias.detach().to(device=device, dtype=dtype)
         )
 
+    @classmethod
+    def from_packed(
+        cls,
+        scheme: str,
+        in_features: int,
+        out_features: int,
+        *,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> QuantLinear:
+        """A layer from the buffers of an earlier one (its ``state_dict``), without packing
+        again. The scales' dtype is the layer's dtype. Never blocks beyond a shape check.
+
+        Raises:
+            ValueError: an unknown scheme, or buffers whose shapes or dtypes are not that
+                scheme's packing of an ``[out_features, in_features]`` weight.
+            QuantizationUnsupported: this torch has no kernel for the scheme on the buffers'
+                device.
+        """
+        rows = out_features + (-out_features % _INT4_ROW_TILE if scheme == "int4" else 0)
+        expected = {
+            "int8": ((rows, in_features), torch.int8, (rows,)),
+            "int4": (
+                (rows, in_features // 2),
+                torch.uint8,
+                (in_features // INT4_GROUP_SIZE, rows, 2),
+            ),
+        }
+        if scheme not in expected:
+            raise ValueError(f"unknown quantization scheme {scheme!r}; schemes: int8, int4")
+        packed_shape, packed_dtype, scales_shape = expected[scheme]
+        if (
+            tuple(packed.shape) != packed_shape
+            or packed.dtype != packed_dtype
+            or tuple(scales.shape) != scales_shape
+            or (bias is not None and tuple(bias.shape) != (out_features,))
+        ):
+            raise ValueError(
+                f"buffers do not hold an {scheme} packing of a {out_features} x {in_features} "
+                f"weight: packed {tuple(packed.shape)} {packed.dtype}, scales "
+                f"{tuple(scales.shape)}, bias {None if bias is None else tuple(bias.shape)}"
+            )
+        require_kernels(scheme, packed.device)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.scheme, layer.in_features, layer.out_features = scheme, in_features, out_features
+        layer.register_buffer("packed", packed)
+        layer.register_buffer("scales", scales)
+        layer.register_buffer("bias", bias)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (the layer's dtype) to ``[..., out_features]``.
 
