@@ -4,6 +4,7 @@ samples independent of the windows batched with it."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,6 +20,16 @@ from mstar_async.policies import Chunk
 VOCAB = vocab_of(byte_tokenizer())
 FLOAT32_ATOL = 1e-5  # PCM in [-1, 1]: float rounding of folded weights and reordered sums
 BFLOAT16_ATOL = 3e-2  # measured about 1e-2 on the small codec's windows (docs/speech.md)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    # These tests compare samples, not speed; two threads on a loaded 2-core machine made them
+    # 20x slower (0.9 s against 22 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @functools.cache
