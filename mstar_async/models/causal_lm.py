@@ -39,8 +39,7 @@ from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
 from mstar_async.models.checkpoints.smollm2 import default_cache_dir, smollm2_gguf_path
 from mstar_async.models.context import decoder_context
 from mstar_async.models.llama import DecoderConfig, PagedDecoder
-from mstar_async.models.quant.decoder import FORMS
-from mstar_async.models.quant.kernels import require_kernels
+from mstar_async.models.quant.decoder import FORMS, check_form
 from mstar_async.models.quant.packed_cache import cached_quantized, packed_path
 from mstar_async.models.registry import register
 from mstar_async.models.stop_strings import StopStrings
@@ -258,8 +257,7 @@ def build_causal_lm(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     form = weight_form(quantize, embedded=path is None, dtype=dtype)
-    if form is not None:
-        require_kernels(FORMS[form][0], device)
+    check_form(form, device)
     folder = Path(path) if path is not None else smollm2_folder()
     gguf = smollm2_gguf_path() if path is None and form is not None else None
     tokenizer = ChatTokenizer.from_folder(folder)

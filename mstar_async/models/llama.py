@@ -35,7 +35,7 @@ from mstar_async.models.checkpoints.streaming import (
     empty_module,
     load_weights,
 )
-from mstar_async.models.quant.decoder import FORMS, quantize_linears
+from mstar_async.models.quant.decoder import FORMS, check_form, quantize_linears
 
 __all__ = [
     "QUANTIZED_HEAD_MAX_ROWS",
@@ -671,8 +671,7 @@ class PagedDecoder(nn.Module):
         cfg = DecoderConfig.from_hf(config)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
-        if quantize is not None and quantize not in FORMS:
-            raise ValueError(f"quantize must be one of {sorted(FORMS)} or None, got {quantize!r}")
+        check_form(quantize, device)
         model = empty_module(lambda: cls(cfg))
         consumed: set[str] = set()
         if quantize is not None:

@@ -20,6 +20,7 @@ import torch
 
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.models.checkpoints import load_checkpoint
+from mstar_async.models.checkpoints.streaming import StateDictSource
 from mstar_async.models.llama import DecoderConfig, PagedDecoder
 from mstar_async.models.orpheus.vocab import CODEBOOK_SIZE, CODES_PER_FRAME, OrpheusVocab
 
@@ -122,21 +123,26 @@ def build_lm_engine(
     dtype: torch.dtype,
     kv_cache_bytes: int,
     device: str,
+    quantize: str | None = None,
 ) -> KVCacheEngine:
-    """The LM on a paged KV cache: a checkpoint folder's weights if ``path``, else seeded ones.
+    """The LM on a paged KV cache: a checkpoint folder's weights if ``path``, else seeded ones;
+    with ``quantize`` (``"int8"``, ``"int4"``) its linears and head in that weight form,
+    quantized as they are read.
 
     Raises:
         CheckpointError: the folder lacks a file it needs.
-        ValueError: its weights do not match its config.
+        ValueError: its weights do not match its config; ``quantize`` names no form.
+        QuantizationUnsupported: the form needs a kernel this torch lacks on ``device``.
     """
     if path is not None:
         checkpoint = load_checkpoint(path)
-        model = PagedDecoder.from_checkpoint(
-            checkpoint.config, checkpoint.state_dict, dtype=dtype, device=device
-        )
+        hf_config, weights = checkpoint.config, checkpoint.state_dict
     else:
         assert config is not None
-        model = seeded_decoder(config, vocab, seed).to(device=device, dtype=dtype)
+        hf_config, weights = config, seeded_decoder(config, vocab, seed).state_dict()
+    model = PagedDecoder.from_source(
+        hf_config, StateDictSource(weights), dtype=dtype, device=device, quantize=quantize
+    )
     return KVCacheEngine(
         model,
         model.attention_spec(dtype),

@@ -47,6 +47,7 @@ from mstar_async.models.orpheus.snac_codec import (
 )
 from mstar_async.models.orpheus.text import byte_tokenizer, vocab_of
 from mstar_async.models.orpheus.vocab import VOICES, OrpheusVocab, prompt_text
+from mstar_async.models.quant.decoder import check_form
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk
 
@@ -141,6 +142,7 @@ def build_orpheus(
     max_iterations: int = 4096,
     voices: tuple[str, ...] = VOICES,
     snac: str | None = None,
+    quantize: str | None = None,
 ) -> Model:
     """Build Orpheus: seeded weights at ``size`` (``tiny``, ``small``), or a real checkpoint.
 
@@ -150,12 +152,14 @@ def build_orpheus(
     ``tiny``, ``small`` or ``full`` (``hubertsiuzdak/snac_24khz``'s). The tokenizer loads here;
     weights load when engines are built. A request's prompt plus ``max_tokens`` may not pass
     the smaller of the LM's ``max_position_embeddings`` and the tokens ``kv_cache_bytes``
-    holds (``model.context``).
+    holds (``model.context``). ``quantize`` (``"int8"``, ``"int4"``) runs the LM's linears and
+    head through weight-only kernels (``docs/engines.md``); the codec stays float32.
 
     Raises:
         CheckpointError: a folder lacks a file it needs, or its tokenizer lacks Orpheus' tokens.
-        ValueError: an unknown ``size``, ``snac`` or ``dtype``; ``kv_cache_bytes`` fits no
-            KV block.
+        ValueError: an unknown ``size``, ``snac``, ``dtype`` or ``quantize``;
+            ``kv_cache_bytes`` fits no KV block.
+        QuantizationUnsupported: ``quantize`` needs a kernel this torch lacks on ``device``.
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -164,6 +168,7 @@ def build_orpheus(
         raise ValueError(f"snac must be one of {sorted(_SNAC_CONFIGS)}, got {snac!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    check_form(quantize, device)
     folder = Path(path) if path is not None else None
     tokenizer = ChatTokenizer.from_folder(folder) if folder is not None else byte_tokenizer()
     vocab = vocab_of(tokenizer)
@@ -180,6 +185,7 @@ def build_orpheus(
         dtype=_DTYPES[dtype],
         kv_cache_bytes=kv_cache_bytes,
         device=device,
+        quantize=quantize,
     )
     snac_folder = Path(snac_path) if snac_path is not None else None
     if snac_folder is not None:

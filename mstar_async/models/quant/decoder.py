@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from mstar_async.models.checkpoints.streaming import TensorSource
     from mstar_async.models.llama import PagedDecoder
 
-__all__ = ["FORMS", "QuantizedSource", "quantize_linears"]
+__all__ = ["FORMS", "QuantizedSource", "check_form", "quantize_linears"]
 
 #: The quantized weight forms, by the names ``quantize=`` takes: the scheme of the layers'
 #: linears and that of the head (``None``: the head stays in the float dtype).
@@ -50,6 +50,23 @@ class QuantizedSource(Protocol):
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield each of ``names``, quantized ones as codes and scales."""
         ...
+
+
+def check_form(quantize: str | None, device: torch.device | str) -> None:
+    """Check up front that ``quantize`` (``None`` or a name of ``FORMS``) can run on
+    ``device``. Never blocks.
+
+    Raises:
+        ValueError: ``quantize`` names no form.
+        QuantizationUnsupported: this torch lacks a kernel the form needs on ``device``.
+    """
+    if quantize is None:
+        return
+    if quantize not in FORMS:
+        raise ValueError(f"quantize must be one of {sorted(FORMS)} or None, got {quantize!r}")
+    for scheme in FORMS[quantize]:
+        if scheme is not None:
+            require_kernels(scheme, device)
 
 
 def quantize_linears(
