@@ -103,6 +103,7 @@ class SpeechConfig:
     threads: int = 1
     seed: int = 10
     systems: tuple[str, ...] = SYSTEMS
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -114,6 +115,8 @@ class SpeechConfig:
             raise ValueError(f"systems must be some of {SYSTEMS}, got {self.systems!r}")
         if self.model != "orpheus" and set(self.systems) & set(_ORPHEUS_ONLY):
             raise ValueError(f"{self.model} runs only {_QWEN_SYSTEMS}: drop {_ORPHEUS_ONLY}")
+        if self.quantize is not None and self.model != "orpheus":
+            raise ValueError(f"quantize is measured for orpheus only, not {self.model}")
         if not self.concurrency or min((*self.concurrency, self.max_tokens, self.threads)) < 1:
             raise ValueError(f"concurrency, max_tokens and threads must be >= 1: {self}")
 
@@ -300,7 +303,13 @@ def _until(end_of_speech: int) -> Callable[[LoopStep], bool]:
     return until
 
 
-def codes_model(size: str, *, vocode: bool, seed: int = 0) -> Model:
+def lm_options(quantize: str | None) -> dict[str, Any]:
+    """Orpheus' builder options for an LM in weight form ``quantize`` (``None``: as built):
+    quantized linears run with bfloat16 activations, where torch's kernels are fast."""
+    return {} if quantize is None else {"quantize": quantize, "dtype": "bfloat16"}
+
+
+def codes_model(size: str, *, vocode: bool, seed: int = 0, quantize: str | None = None) -> Model:
     """Orpheus' LM (same weights, prompt and sampling) without streaming to the codec.
 
     Its program runs the decode loop to completion, collecting every code; then, with
@@ -308,7 +317,7 @@ def codes_model(size: str, *, vocode: bool, seed: int = 0) -> Model:
     yields one ``AudioChunk``; without, it yields the codes as a ``LatentOutput`` (the LM stage of
     the pipeline). Raises ``ValueError`` for an unknown size.
     """
-    base = build_model("orpheus", size=size, seed=seed)
+    base = build_model("orpheus", size=size, seed=seed, **lm_options(quantize))
     tokenizer = byte_tokenizer()
     vocab = vocab_of(tokenizer)
     nodes = [
@@ -378,13 +387,17 @@ def codes_model(size: str, *, vocode: bool, seed: int = 0) -> Model:
 # --- baseline b: a fixed two-stage pipeline in two processes --------------------------------
 
 
-def _lm_stage(size: str, seed: int, threads: int, requests: str, codes: str) -> None:
+def _lm_stage(
+    size: str, seed: int, threads: int, quantize: str | None, requests: str, codes: str
+) -> None:
     """LM stage process: requests in, each request's complete codes out (``None`` stops it)."""
     torch.set_num_threads(threads)
-    anyio.run(_lm_stage_main, size, seed, requests, codes)
+    anyio.run(_lm_stage_main, size, seed, quantize, requests, codes)
 
 
-async def _lm_stage_main(size: str, seed: int, requests: str, codes: str) -> None:
+async def _lm_stage_main(
+    size: str, seed: int, quantize: str | None, requests: str, codes: str
+) -> None:
     import zmq
     import zmq.asyncio
 
@@ -399,7 +412,8 @@ async def _lm_stage_main(size: str, seed: int, requests: str, codes: str) -> Non
         await outbox.send_pyobj((rid, tokens[0]))
 
     try:
-        async with open_runtime(codes_model(size, vocode=False, seed=seed)) as runtime:
+        model = codes_model(size, vocode=False, seed=seed, quantize=quantize)
+        async with open_runtime(model) as runtime:
             async with anyio.create_task_group() as tg:
                 while (message := await inbox.recv_pyobj()) is not None:
                     tg.start_soon(one, runtime, *message)
@@ -440,7 +454,7 @@ class Pipeline:
         RuntimeError: a stage died or did not answer within ``_STAGE_TIMEOUT_S``.
     """
 
-    def __init__(self, size: str, threads: int, seed: int = 0) -> None:
+    def __init__(self, size: str, threads: int, seed: int = 0, quantize: str | None = None) -> None:
         import zmq
 
         self._folder = tempfile.TemporaryDirectory(prefix="mstar-speech-")
@@ -457,7 +471,7 @@ class Pipeline:
         self.stages = [
             spawn.Process(
                 target=_lm_stage,
-                args=(size, seed, threads, address % "requests", address % "codes"),
+                args=(size, seed, threads, quantize, address % "requests", address % "codes"),
                 daemon=True,
             ),
             spawn.Process(
@@ -718,20 +732,23 @@ async def _open(config: SpeechConfig, stack: AsyncExitStack, progress: Progress)
     warm = request_inputs(config, 0, load_prompts())
     if "pipeline" in config.systems:
         # Started first: its processes import torch and build their engines meanwhile.
-        systems.pipeline = pipeline = Pipeline(config.size, config.threads)
+        systems.pipeline = pipeline = Pipeline(
+            config.size, config.threads, quantize=config.quantize
+        )
         stack.callback(pipeline.close)
         pipeline.start()
     progress(f"opening {config.model} ({config.size}); systems: {', '.join(config.systems)}")
-    model = build_model(config.model, size=config.size)
+    options = lm_options(config.quantize)
+    model = build_model(config.model, size=config.size, **options)
     systems.streaming = await stack.enter_async_context(open_runtime(model))
     await _warm(systems.streaming, warm)
     if "streaming_split" in config.systems:
         placement = Placement(nodes={_CODEC_NODE[config.model]: 1})
-        split = build_model(config.model, size=config.size)
+        split = build_model(config.model, size=config.size, **options)
         systems.split = await stack.enter_async_context(open_runtime(split, placement=placement))
         await _warm(systems.split, warm)
     if "non_streaming" in config.systems:
-        baseline = codes_model(config.size, vocode=True)
+        baseline = codes_model(config.size, vocode=True, quantize=config.quantize)
         systems.non_streaming = await stack.enter_async_context(open_runtime(baseline))
         await _warm(systems.non_streaming, warm)
     if systems.pipeline is not None:

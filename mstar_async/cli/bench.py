@@ -505,6 +505,11 @@ def _add_speech_parser(kinds: Any) -> None:
         "--max-tokens", type=_positive, help="speech tokens per request (orpheus: 211 = 2.56 s)"
     )
     speech.add_argument("--threads", type=_positive, help="torch threads per process (1)")
+    speech.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        help="orpheus: every system's LM in this weight form, bfloat16 activations",
+    )
     speech.add_argument("--plot", type=Path, help="also draw RTF and TTFA to this PNG")
 
 
@@ -517,6 +522,7 @@ def _speech(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
         threads=args.threads,
+        quantize=args.quantize,
     )
     report = module.run_speech_sync(config, ProgressLog())
     if args.plot is not None and module.plot_report(report, args.plot):

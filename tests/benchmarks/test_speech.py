@@ -19,6 +19,7 @@ from mstar_async.bench.speech import (
     SpeechConfig,
     codes_model,
     format_report,
+    lm_options,
     load_prompts,
     plot_report,
     preset,
@@ -89,11 +90,16 @@ def test_config_and_inputs() -> None:
         SpeechConfig(model="qwen3-omni")
     with pytest.raises(ValueError, match="systems"):
         SpeechConfig(systems=("nonsense",))
+    with pytest.raises(ValueError, match="orpheus only"):
+        SpeechConfig(model="qwen3-tts", systems=("streaming",), quantize="int8")
+    assert lm_options("int4") == {"quantize": "int4", "dtype": "bfloat16"} and not lm_options(None)
 
 
 @pytest.mark.anyio
-async def test_non_streaming_baseline_makes_the_streamed_audio() -> None:
-    # Baseline (a) must be the same model, only without streaming: same samples, one chunk.
+@pytest.mark.parametrize("quantize", [None, "int8"])
+async def test_non_streaming_baseline_makes_the_streamed_audio(quantize: str | None) -> None:
+    # Baseline (a) must be the same model, only without streaming: same samples, one chunk;
+    # with --quantize, both in the same weight form.
     inputs = request_inputs(preset(True), 3, load_prompts())
     inputs["max_tokens"] = 36  # 5 frames
 
@@ -102,8 +108,8 @@ async def test_non_streaming_baseline_makes_the_streamed_audio() -> None:
             return [item.pcm async for item in outputs if isinstance(item, AudioChunk)]
 
     torch.set_num_threads(1)
-    streamed = await collect(build_model("orpheus", size="tiny"))
-    (whole,) = await collect(codes_model("tiny", vocode=True))
+    streamed = await collect(build_model("orpheus", size="tiny", **lm_options(quantize)))
+    (whole,) = await collect(codes_model("tiny", vocode=True, quantize=quantize))
     assert len(streamed) > 1 and whole.numel() == 5 * 2048
     torch.testing.assert_close(torch.cat(streamed), whole)
 
