@@ -39,6 +39,8 @@ from mstar_async.transport.errors import (
 from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from mstar_async.transport.wire import (
+    AFTER_UNIT,
+    UNIT_DONE,
     ErrorInfo,
     FeedWalk,
     FetchTensor,
@@ -62,11 +64,13 @@ from mstar_async.transport.wire import (
 from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
 __all__ = [
+    "AFTER_UNIT",
     "EXPORT_OP",
     "IMPORT_OP",
     "INLINE_TENSOR_BYTES",
     "SHM_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
+    "UNIT_DONE",
     "CurveClient",
     "CurveKeys",
     "CurveServer",

@@ -222,11 +222,20 @@ class FeedWalk(_Msg, frozen=True, tag="feed"):
     end: bool = False
 
 
+#: ``WalkUpdates`` event ports that order a split walk's outputs across ranks (no real port
+#: starts with ``#``): ``UNIT_DONE`` (value: the unit) follows every output the segment made
+#: before its unit finished; ``AFTER_UNIT`` (value: ``[rank, unit]``) precedes every output the
+#: segment made after it learnt that unit of the segment on ``rank`` had finished.
+UNIT_DONE = "#unit-done"
+AFTER_UNIT = "#after-unit"
+
+
 class WalkUpdates(_Msg, frozen=True, tag="walked"):
     """What the walks on one worker made since its last such message (one per round):
-    ``events`` as ``[walk id, port, value, iteration]``, ``ended`` as ``[walk id, persisted]``
-    (values left for later walks, keyed ``"node.port"``), and walk id -> the error that ended
-    it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again."""
+    ``events`` as ``[walk id, port, value, iteration]`` (outputs, and for segments of a split
+    walk the ``UNIT_DONE`` / ``AFTER_UNIT`` marks in their place), ``ended`` as ``[walk id,
+    persisted]`` (values left for later walks, keyed ``"node.port"``), and walk id -> the error
+    that ended it; ``fed`` lists ``[walk id, port]`` for each feed whose input has room again."""
 
     __wire_values__: ClassVar[tuple[str, ...]] = ("events", "ended")
 

@@ -6,8 +6,12 @@ segment, giving each the ids of the others; from then on the segments send each 
 their edges carry, their credit and their finished units directly, worker to worker (see
 ``mstar_async.worker.peer_traffic``). The conductor sees only the walk's outputs, which reach
 the program in order per rank with their credit returned to the rank that made each, and the
-segments' ends. The walk ends once every segment has; on any segment's error (or a lost worker)
-or on cancel every segment is cancelled, and the first error ends the walk.
+segments' ends. Across ranks, an output a segment made after it learnt of another rank's
+finished unit waits here until every output that rank made before finishing the unit has
+reached the program (the marks ``UNIT_DONE`` / ``AFTER_UNIT`` in the segments' updates), so a
+sequential walk's outputs come in its order even though units finish worker to worker.
+The walk ends once every segment has; on any segment's error (or a lost worker) or on cancel
+every segment is cancelled, and the first error ends the walk.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mstar_async.graph import PortRef
 from mstar_async.graph.segments import WalkSplit
+from mstar_async.transport import AFTER_UNIT, UNIT_DONE
 from mstar_async.walks.run import WalkSink
 
 if TYPE_CHECKING:
@@ -27,16 +32,19 @@ if TYPE_CHECKING:
 class _Part:
     """One rank's segment, as the conductor sees it: the ``WalkSink`` its outputs reach."""
 
-    __slots__ = ("ended", "handle", "rank", "remote")
+    __slots__ = ("ended", "handle", "pending", "rank", "remote", "units")
 
     def __init__(self, handle: SegmentedWalk, rank: int) -> None:
         self.handle = handle
         self.rank = rank
         self.remote: RemoteWalk | None = None
         self.ended = False
+        self.units: set[int] = set()  # its units whose outputs have all been passed on
+        self.pending: deque[tuple[str, Any, int]] = deque()  # what waits on another rank
 
     def emit(self, port: str, value: Any, iteration: int) -> None:
-        self.handle._emit(self, port, value, iteration)
+        self.pending.append((port, value, iteration))
+        self.handle._drain(self)
 
     def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
         self.handle._part_ended(self, persisted, error)
@@ -119,9 +127,28 @@ class SegmentedWalk:
 
     # --- what the segments send ----------------------------------------------------------------
 
-    def _emit(self, part: _Part, port: str, value: Any, iteration: int) -> None:
-        self._readers.append(part)
-        self.sink.emit(port, value, iteration)
+    def _drain(self, part: _Part) -> None:
+        """Pass on ``part``'s outputs in order, up to one that waits for a unit of another
+        rank whose outputs have not all arrived."""
+        pending = part.pending
+        while pending:
+            port, value, iteration = pending[0]
+            if port == AFTER_UNIT:
+                rank, unit = value
+                waited = self.parts.get(rank)
+                if waited is not None and unit not in waited.units:
+                    return
+                pending.popleft()
+            elif port == UNIT_DONE:
+                pending.popleft()
+                part.units.add(value)
+                for other in self.parts.values():
+                    if other is not part and other.pending:
+                        self._drain(other)
+            else:
+                pending.popleft()
+                self._readers.append(part)
+                self.sink.emit(port, value, iteration)
 
     def _part_ended(
         self, part: _Part, persisted: dict[PortRef, Any], error: BaseException | None

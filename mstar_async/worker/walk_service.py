@@ -27,6 +27,8 @@ from mstar_async.graph import Model, PortRef, WalkPlan
 from mstar_async.graph.segments import Segment, split_walk
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
+    AFTER_UNIT,
+    UNIT_DONE,
     ErrorInfo,
     FeedWalk,
     Link,
@@ -38,7 +40,7 @@ from mstar_async.transport import (
     WalkUpdates,
 )
 from mstar_async.walks.run import WalkRun
-from mstar_async.walks.segment import VALUE, SegmentRun
+from mstar_async.walks.segment import DONE, VALUE, SegmentRun
 from mstar_async.worker.peer_traffic import PeerTraffic, Route
 from mstar_async.worker.tensor_links import WorkerTensors
 from mstar_async.worker.walk_loop import WalkLoop
@@ -61,6 +63,9 @@ class _Sink:
         self.service.wake()
 
     def relay(self, kind: str, key: str | int, value: Any) -> None:
+        if kind == DONE:
+            # After this segment's outputs so far, so the conductor orders later ranks' after.
+            self.service.events.append([self.walk_id, UNIT_DONE, int(key), 0])
         if kind == VALUE and value:
             value = [self.service.tensors.store.hold(self.request_id, value[0])]
         self.service.peers.relay(self.walk_id, kind, key, value)
@@ -199,8 +204,16 @@ class WalkService:
     def from_peer(self, message: PeerWalks) -> None:
         """What another rank's segments sent this worker's: entries, credit, finished units."""
         for walk_id, index in self.peers.take(message, self._credit):
-            self._apply(walk_id, functools.partial(_block_done, index=index))
+            done = functools.partial(self._unit_done, walk_id, message.rank, index)
+            self._apply(walk_id, done)
         self.loop.kick()
+
+    def _unit_done(self, walk_id: int, rank: int, index: int, run: WalkRun) -> None:
+        # Before what the segment makes now that the unit is done, so the conductor holds
+        # those outputs until it has every output the unit's rank made before finishing it.
+        self.events.append([walk_id, AFTER_UNIT, [rank, index], 0])
+        self.wake()
+        _block_done(run, index)
 
     def _later(self, walk_id: int, arrival: Callable[[], None]) -> bool:
         starting = self._starting.get(walk_id)
