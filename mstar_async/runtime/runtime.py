@@ -21,7 +21,7 @@ from mstar_async.runtime.session import SpeechSession
 from mstar_async.voices import VoiceRecord, VoiceRegistry, VoiceStore
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
-from mstar_async.worker.walk_loop import WalkLoop
+from mstar_async.worker.walk_loop import ForwardThread, WalkLoop
 
 log = get_logger("mstar_async.runtime")
 
@@ -209,14 +209,21 @@ async def open_runtime(
 async def _in_process(
     model: Model, max_batch_size: int, max_batch_tokens: int, forward_time_bound_s: float
 ) -> AsyncIterator[Runtime]:
+    # Built on the thread that will run their forwards (see ``ForwardThread``).
+    thread = ForwardThread("mstar-forward")
     engines = {}
-    for name, factory in model.components.items():
-        engines[name] = await anyio.to_thread.run_sync(factory)
+    try:
+        for name, factory in model.components.items():
+            engines[name] = await thread.call(factory)
+    except BaseException:
+        thread.close()
+        raise
     batching = WalkLoop(
         engines,
         max_batch_size=max_batch_size,
         max_batch_tokens=max_batch_tokens,
         forward_time_bound_s=forward_time_bound_s,
+        forward_thread=thread,
     )
     log.info("runtime.open", model=model.name, engines=sorted(engines))
     async with anyio.create_task_group() as tg:

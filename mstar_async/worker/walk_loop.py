@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -44,9 +44,19 @@ SLICE_S = 0.002
 _EMA = 0.2  # weight of the newest forward time in the running estimate
 
 
+T = TypeVar("T")
+
+
 class ForwardThread:
     """One thread that runs forwards, handing each result back with ``call_soon_threadsafe``
-    (about half the cost of a thread-pool hop on these machines)."""
+    (about half the cost of a thread-pool hop on these machines).
+
+    Build the engines on it too (``call``): every thread that runs a parallel torch op keeps
+    an OpenMP team, and once the process holds more team threads than CPUs, libgomp stops
+    spinning between parallel regions, so each op pays a futex wake-up. SmolLM2's int4 decode
+    step took 35-45 ms on a forward thread whose engine was built on another thread, and
+    16-21 ms when built on the forward thread itself (two threads, two cores).
+    """
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -71,6 +81,13 @@ class ForwardThread:
         self._jobs.put((fn, loop, future))
         await future
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the thread, its result or its exception. Not cancel-safe on its
+        own (as ``run``)."""
+        result: list[T] = []
+        await self.run(lambda: result.append(fn()))
+        return result[0]
+
     def close(self) -> None:
         """Stop the thread once the forward it runs (if any) ends."""
         self._jobs.put(None)
@@ -92,6 +109,8 @@ class WalkLoop:
     here and ``submit`` runs a single step (for walks whose loops span ranks). ``max_batch_size``,
     ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward of an engine (see
     ``Scheduler``: a long prefill is cut into chunks whose forward stays under the bound).
+    ``forward_thread`` is the thread the engines were built on (``ForwardThread.call``); the
+    loop owns it from then on and closes it when ``run`` ends. Without it the loop makes one.
 
     Raises:
         ValueError: a limit is below 1.
@@ -106,6 +125,7 @@ class WalkLoop:
         forward_time_bound_s: float = 0.1,
         inline_below_s: float = INLINE_BELOW_S,
         slice_s: float = SLICE_S,
+        forward_thread: ForwardThread | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             engines,
@@ -123,7 +143,7 @@ class WalkLoop:
         self._in_round = False  # between take() and finish(): engines are not to be touched
         self._round_done: asyncio.Event | None = None
         self._estimates: dict[tuple[str, ...], float] = {}
-        self._thread: ForwardThread | None = None
+        self._thread: ForwardThread | None = forward_thread  # the engines' own, when given
         self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
 
     @property
@@ -258,7 +278,8 @@ class WalkLoop:
         Cancel-safe: a forward in flight on the forward thread finishes there; the loop stops.
         """
         self._round_done = asyncio.Event()
-        self._thread = ForwardThread("mstar-forward")
+        if self._thread is None:
+            self._thread = ForwardThread("mstar-forward")
         task_status.started()
         try:
             await self._rounds()
