@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from mstar_async.graph import Model
 from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
@@ -185,3 +186,37 @@ async def test_leaving_a_request_frees_its_kv_on_the_worker(tiny_folder: Path) -
 async def _held(pool: Any) -> int:
     stats = await pool.worker_stats(0)
     return int(stats["kv_blocks"] + stats["walks"])
+
+
+async def test_engines_are_built_on_the_thread_that_runs_their_forwards() -> None:
+    # One OpenMP team per process: an engine built on another thread would leave a second one,
+    # and libgomp then stops spinning between parallel ops (docs: ForwardThread).
+    model = build_model("noop", forward_ms=2.0)  # slow enough to leave the loop's thread
+    built: list[str] = []
+    ran: list[str] = []
+    make = model.components["noop"]
+
+    def factory() -> Any:
+        built.append(threading.current_thread().name)
+        engine = make()
+        forward = engine.forward
+
+        def recording(steps: Any) -> Any:
+            ran.append(threading.current_thread().name)
+            return forward(steps)
+
+        engine.forward = recording
+        return engine
+
+    # The noop model, its engine built (and its forwards run) through the factory above.
+    model = Model(
+        "noop",
+        nodes=list(model.nodes.values()),
+        walks=list(model.walks.values()),
+        program=model.program,
+        components={"noop": factory},
+    )
+    async with open_runtime(model) as runtime:
+        async with runtime.generate(iterations=5) as outputs:
+            assert len([item async for item in outputs]) == 5
+    assert built == ["mstar-forward"] and set(ran) == {"mstar-forward"}
