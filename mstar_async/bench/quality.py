@@ -32,7 +32,7 @@ from mstar_async.engines.base import Step
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.models.checkpoints import ChatTokenizer
-from mstar_async.models.llama import PagedDecoder
+from mstar_async.models.llama import QUANTIZED_HEAD_MAX_ROWS, PagedDecoder
 
 __all__ = [
     "AGREEMENT_PROMPTS",
@@ -52,8 +52,10 @@ _PROMPTS = Path(__file__).resolve().parent / "prompts"
 PERPLEXITY_TEXT = _PROMPTS / "perplexity_en.txt"
 AGREEMENT_PROMPTS = _PROMPTS / "agreement_en.txt"
 
-# Rows of logits turned into log-probabilities at once (a [rows, vocab] float32 block).
-_LOGIT_ROWS = 256
+# Rows of logits turned into log-probabilities at once (a [rows, vocab] float32 block): as
+# many as one decode round of a few requests, so a quantized head is measured in the form that
+# serves them (past that many rows the decoder multiplies the float embedding instead).
+_LOGIT_ROWS = QUANTIZED_HEAD_MAX_ROWS
 
 
 class SequenceAttention:
