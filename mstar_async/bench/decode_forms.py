@@ -14,10 +14,11 @@ For each form, in the same run:
   fixed text and greedy agreement on 16 prompts x 32 tokens (``quality``);
 - **tokens/s** through the runtime (``causal-lm`` via ``open_runtime``, N concurrent requests
   of ``prompt_tokens``-token prompts making ``new_tokens`` each, greedy, EOS ignored; as the
-  decode benchmark's ``runtime`` system) at every concurrency. Every form's runtime is open for
-  the whole run and warmed up at every concurrency first; per concurrency, the forms run one
-  after another in alternating order each repetition, and each form's speed-up over the
-  fastest unquantized form at that concurrency is taken within each repetition.
+  decode benchmark's ``runtime`` system) at every concurrency. Per concurrency, the forms run
+  one after another in alternating order each repetition, each in a runtime opened, warmed up
+  and measured alone (two runtimes' forward threads in one process slow both: see
+  ``_open_form``), and each form's speed-up over the fastest unquantized form at that
+  concurrency is taken within each repetition.
 
 A repetition during which other processes kept more than ``max_foreign_cores`` cores busy is
 measured again, up to ``retries`` times, as in the decode benchmark.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -225,42 +226,41 @@ def _reference(folder: Path, embedded: bool, inputs: _Inputs, new_tokens: int) -
 
 
 @asynccontextmanager
-async def _open_runtimes(
-    config: FormsConfig, folder: Path, forms: Sequence[Form], progress: Progress
-) -> AsyncIterator[dict[str, RuntimeSystem]]:
-    """One in-process runtime per form, all open until the block exits.
+async def _open_form(config: FormsConfig, folder: Path, form: Form) -> AsyncIterator[RuntimeSystem]:
+    """The form's runtime, open until the block exits. One at a time: each runtime's forward
+    thread keeps an OpenMP team, and with more team threads than CPUs libgomp stops spinning
+    between ops, which would slow every form measured beside the others.
 
     Raises:
         BenchmarkError: the KV cache cannot be sized.
-        CheckpointError, QuantizationUnsupported: a form cannot be loaded.
+        CheckpointError, QuantizationUnsupported: the form cannot be loaded.
     """
     tokens = config.prompt_tokens + config.new_tokens
-    async with AsyncExitStack() as stack:
-        systems: dict[str, RuntimeSystem] = {}
-        for form in forms:
-            progress(f"{form.name}: opening the runtime")
-            kv_bytes = kv_cache_bytes_for(folder, form.dtype, max(config.concurrency), tokens)
-            model = build_causal_lm(
-                None if config.folder is None else folder,
-                dtype=form.dtype,
-                quantize=form.quantize or "none",
-                kv_cache_bytes=kv_bytes,
-            )
-            systems[form.name] = RuntimeSystem(await stack.enter_async_context(open_runtime(model)))
-        yield systems
+    kv_bytes = kv_cache_bytes_for(folder, form.dtype, max(config.concurrency), tokens)
+    model = build_causal_lm(
+        None if config.folder is None else folder,
+        dtype=form.dtype,
+        quantize=form.quantize or "none",
+        kv_cache_bytes=kv_bytes,
+    )
+    async with open_runtime(model) as runtime:
+        yield RuntimeSystem(runtime)
 
 
 async def _repetition(
-    systems: dict[str, RuntimeSystem],
+    config: FormsConfig,
+    folder: Path,
+    forms: dict[str, Form],
     prompts: Sequence[Prompt],
-    new_tokens: int,
     order: Sequence[str],
     label: str,
     progress: Progress,
 ) -> dict[str, Measurement]:
     measured: dict[str, Measurement] = {}
     for name in order:
-        m = await measure(systems[name], prompts, new_tokens, None)
+        async with _open_form(config, folder, forms[name]) as system:
+            await measure(system, prompts, config.warmup_tokens, None)
+            m = await measure(system, prompts, config.new_tokens, None)
         measured[name] = m
         others = "" if m.foreign_cores is None else f"; other processes {m.foreign_cores:.2f} cores"
         progress(f"{label}: {name} {m.tokens_per_s:.1f} tok/s ({m.seconds:.2f} s{others})")
@@ -269,21 +269,20 @@ async def _repetition(
 
 async def _throughput(
     config: FormsConfig,
-    systems: dict[str, RuntimeSystem],
+    folder: Path,
+    forms: Sequence[Form],
     prompts: Sequence[Prompt],
     progress: Progress,
 ) -> dict[int, tuple[list[dict[str, Measurement]], int]]:
     """Per concurrency: every repetition's measurements, and how many were measured again.
+    Each form's runtime is opened, warmed up and measured alone, in an order that alternates.
 
     Raises:
         BenchmarkError: a form generated the wrong number of tokens.
         RequestError: a request failed.
     """
-    names = list(systems)
-    for name in names:
-        progress(f"{name}: warming up")
-        for n in config.concurrency:
-            await measure(systems[name], prompts[:n], config.warmup_tokens, None)
+    by_name = {form.name: form for form in forms}
+    names = list(by_name)
     results: dict[int, tuple[list[dict[str, Measurement]], int]] = {}
     for n in config.concurrency:
         rounds: list[dict[str, Measurement]] = []
@@ -293,7 +292,7 @@ async def _throughput(
             label = f"N={n} repetition {rep + 1}/{config.repeat}"
             for attempt in range(config.retries + 1):
                 measured = await _repetition(
-                    systems, prompts[:n], config.new_tokens, order, label, progress
+                    config, folder, by_name, prompts[:n], order, label, progress
                 )
                 load = contamination(measured)
                 if load <= config.max_foreign_cores or attempt == config.retries:
@@ -414,8 +413,7 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
         )
         gc.collect()
     prompts = build_prompts(tokenizer, max(config.concurrency), config.prompt_tokens)
-    async with _open_runtimes(config, folder, forms, progress) as systems:
-        measured = await _throughput(config, systems, prompts, progress)
+    measured = await _throughput(config, folder, forms, prompts, progress)
     throughput = {
         str(n): _throughput_json(forms, rounds, discarded, config.max_foreign_cores)
         for n, (rounds, discarded) in measured.items()
