@@ -402,6 +402,10 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
     folder = config.folder if config.folder is not None else smollm2_folder(progress=progress)
     tokenizer = ChatTokenizer.from_folder(folder)
     forms = weight_forms(config)
+    # Speed first: the quality models run on other threads, whose OpenMP teams would stay
+    # and slow the runtimes measured after them (see ``_open_form``).
+    prompts = build_prompts(tokenizer, max(config.concurrency), config.prompt_tokens)
+    measured = await _throughput(config, folder, forms, prompts, progress)
     inputs = _Inputs(quality.perplexity_ids(tokenizer), quality.agreement_prompts(tokenizer))
     progress(f"quality: {REFERENCE} reference ({len(inputs.perplexity_ids)} perplexity tokens)")
     await anyio.to_thread.run_sync(_reference, folder, embedded, inputs, config.quality_tokens)
@@ -412,8 +416,6 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
             _measure_quality, folder, embedded, form, inputs, config.quality_tokens
         )
         gc.collect()
-    prompts = build_prompts(tokenizer, max(config.concurrency), config.prompt_tokens)
-    measured = await _throughput(config, folder, forms, prompts, progress)
     throughput = {
         str(n): _throughput_json(forms, rounds, discarded, config.max_foreign_cores)
         for n, (rounds, discarded) in measured.items()
