@@ -38,6 +38,7 @@ from mstar_async.models.checkpoints import (
 from mstar_async.models.checkpoints.gguf_tensors import GGUFTensors
 from mstar_async.models.checkpoints.smollm2 import default_cache_dir, smollm2_gguf_path
 from mstar_async.models.context import decoder_context
+from mstar_async.models.dtypes import DTYPES
 from mstar_async.models.llama import DecoderConfig, PagedDecoder
 from mstar_async.models.quant.decoder import FORMS, check_form
 from mstar_async.models.quant.packed_cache import cached_quantized, packed_path
@@ -48,7 +49,6 @@ from mstar_async.outputs import TextDelta, TextEnd
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 #: The weight form ``quantize="auto"`` gives the embedded SmolLM2 in bfloat16.
 SMOLLM2_FORM: str | None = "int4"
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def load_decoder(
@@ -254,15 +254,15 @@ def build_causal_lm(
             the config is not a supported decoder; ``kv_cache_bytes`` fits no KV block.
         QuantizationUnsupported: the form needs a kernel this torch lacks on ``device``.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     form = weight_form(quantize, embedded=path is None, dtype=dtype)
     check_form(form, device)
     folder = Path(path) if path is not None else smollm2_folder()
     gguf = smollm2_gguf_path() if path is None and form is not None else None
     tokenizer = ChatTokenizer.from_folder(folder)
     config = DecoderConfig.from_hf(read_config(folder))
-    context = decoder_context(config, dtype=_DTYPES[dtype], kv_cache_bytes=kv_cache_bytes)
+    context = decoder_context(config, dtype=DTYPES[dtype], kv_cache_bytes=kv_cache_bytes)
     nodes = [
         Node("prefill", engine="lm", inputs=["tokens", "sampling"], outputs=["token"]),
         Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
@@ -276,7 +276,7 @@ def build_causal_lm(
     factory = functools.partial(
         build_lm_engine,
         folder,
-        dtype=_DTYPES[dtype],
+        dtype=DTYPES[dtype],
         kv_cache_bytes=kv_cache_bytes,
         device=device,
         compile=compile,

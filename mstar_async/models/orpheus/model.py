@@ -33,6 +33,7 @@ from mstar_async.graph import (
 )
 from mstar_async.models.checkpoints import ChatTokenizer, read_config
 from mstar_async.models.context import decoder_context
+from mstar_async.models.dtypes import DTYPES
 from mstar_async.models.llama import DecoderConfig
 from mstar_async.models.orpheus.lm import SIZES, build_lm_engine, hf_config
 from mstar_async.models.orpheus.snac_codec import (
@@ -53,7 +54,6 @@ from mstar_async.outputs import AudioChunk
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 SAMPLE_RATE = 24_000
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SNAC_CONFIGS = {"tiny": SNAC_TINY, "small": SNAC_SMALL, "full": SNAC_24KHZ}
 _DEFAULT_TEXT = "Hello there, how are you?"
 _DEFAULT_VOICE = "tara"
@@ -166,15 +166,15 @@ def build_orpheus(
     snac_config = _SNAC_CONFIGS.get(snac or size)
     if snac_config is None:
         raise ValueError(f"snac must be one of {sorted(_SNAC_CONFIGS)}, got {snac!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_form(quantize, device)
     folder = Path(path) if path is not None else None
     tokenizer = ChatTokenizer.from_folder(folder) if folder is not None else byte_tokenizer()
     vocab = vocab_of(tokenizer)
     config = hf_config(size, vocab) if folder is None else read_config(folder)
     context = decoder_context(
-        DecoderConfig.from_hf(config), dtype=_DTYPES[dtype], kv_cache_bytes=kv_cache_bytes
+        DecoderConfig.from_hf(config), dtype=DTYPES[dtype], kv_cache_bytes=kv_cache_bytes
     )
     lm = functools.partial(
         build_lm_engine,
@@ -182,7 +182,7 @@ def build_orpheus(
         vocab=vocab,
         seed=seed,
         path=folder,
-        dtype=_DTYPES[dtype],
+        dtype=DTYPES[dtype],
         kv_cache_bytes=kv_cache_bytes,
         device=device,
         quantize=quantize,

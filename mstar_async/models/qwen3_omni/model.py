@@ -60,6 +60,7 @@ from mstar_async.models.checkpoints import (
     IncrementalDecoder,
     smollm2_folder,
 )
+from mstar_async.models.dtypes import DTYPES
 from mstar_async.models.qwen3_omni.audio_engine import AudioInEngine
 from mstar_async.models.qwen3_omni.audio_features import SAMPLE_RATE as AUDIO_IN_RATE
 from mstar_async.models.qwen3_omni.audio_program import (
@@ -94,7 +95,6 @@ LEFT_CONTEXT = 25
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 #: The longest utterance a request may carry by default (5 min of speech, 3,900 thinker rows).
 MAX_AUDIO_SECONDS = 300.0
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def _role_id(tokenizer: ChatTokenizer, role: str) -> int:
@@ -639,8 +639,8 @@ def build_qwen3_omni(
         ValueError: an unknown ``size`` or ``dtype``; ``kv_cache_bytes`` fits no KV block.
         CheckpointError: the folder lacks a file it needs.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = Path(path) if path is not None else None
     if folder is None:
         tokenizer = ChatTokenizer.from_folder(smollm2_folder())
@@ -666,7 +666,7 @@ def build_qwen3_omni(
     if max_audio_seconds <= 0:
         raise ValueError(f"max_audio_seconds must be > 0, got {max_audio_seconds}")
     max_samples = int(max_audio_seconds * AUDIO_IN_RATE)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     # Parts are built on the worker, when (and only if) an engine placed there needs them.
     weights = OmniWeights(cfg, folder, torch_dtype, device)
     return Model(

@@ -44,6 +44,7 @@ from mstar_async.graph import (
     stream,
 )
 from mstar_async.models.checkpoints import ChatTokenizer, CheckpointError, smollm2_folder
+from mstar_async.models.dtypes import DTYPES
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
 from mstar_async.models.qwen3_tts.config import SAMPLE_RATE, SIZES, TTSConfig
 from mstar_async.models.qwen3_tts.program import make_program
@@ -59,7 +60,6 @@ __all__ = ["CHUNK", "LEFT_CONTEXT", "build_qwen3_tts", "prompt_ids", "seeded_con
 CHUNK = 8
 LEFT_CONTEXT = 25
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def prompt_ids(cfg: TTSConfig, tokenizer: ChatTokenizer) -> PromptIds:
@@ -289,8 +289,8 @@ def build_qwen3_tts(
         ValueError: an unknown ``size`` or ``dtype``; ``chunk`` below 1.
         CheckpointError: the folder lacks a file it needs.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if chunk < 1 or left_context < 0:
         raise ValueError(f"chunk must be >= 1 and left_context >= 0, got {chunk}, {left_context}")
     folder = Path(path) if path is not None else None
@@ -305,7 +305,7 @@ def build_qwen3_tts(
         )
     ids = prompt_ids(cfg, tokenizer)
     talker_ids = TalkerIds(cfg.codebook_size, cfg.codec_eos, ids.tts_pad)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     weights = TTSWeights(cfg, folder, torch_dtype, device)
     context = capacity_tokens(
         cfg.talker.attention_spec(torch_dtype),
