@@ -27,18 +27,30 @@ class StopStrings:
         if self.stopped:
             return ""
         text = self._held + delta
-        hits = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
-        if hits:
+        # A longer stop may have begun before a shorter one that is already whole ("aca"
+        # begun at "ac" when "c" is seen): nothing is decided before that start.
+        undecided = len(text) - self._partial_suffix(text)
+        hit = self._first_hit(text)
+        if hit is not None and hit <= undecided:
             self.stopped, self._held = True, ""
-            return text[: min(hits)]
-        keep = self._partial_suffix(text)
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
+            return text[:hit]
+        self._held = text[undecided:]
+        return text[:undecided]
 
     def finish(self) -> str:
-        """The text held back when the stream ends without a stop."""
+        """The text held back when the stream ends, cut before a stop it holds."""
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        if self.stopped:
+            return ""
+        hit = self._first_hit(held)
+        if hit is not None:
+            self.stopped = True
+            return held[:hit]
+        return held
+
+    def _first_hit(self, text: str) -> int | None:
+        hits = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""

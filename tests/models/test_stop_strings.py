@@ -28,6 +28,14 @@ def test_emitted_text_is_the_text_before_the_first_stop(
     assert (emitted, matcher.stopped) == reference("".join(pieces), stops)
 
 
+def test_a_longer_stop_begun_earlier_wins_over_a_shorter_one_seen_first() -> None:
+    matcher = StopStrings(["c", "aca"])
+    assert matcher.push("ac") == "" and not matcher.stopped
+    assert matcher.push("a") == "" and matcher.stopped
+    ended = StopStrings(["c", "aca"])
+    assert ended.push("xac") == "x" and ended.finish() == "a" and ended.stopped
+
+
 def test_holds_back_a_possible_stop_until_it_is_decided() -> None:
     matcher = StopStrings(["</s>"])
     assert matcher.push("hello </") == "hello "
