@@ -57,6 +57,14 @@ class Live:
         requests (a request's blocks shared with its conversation's are the conversation's)."""
         return self.kv_blocks() - int(self.thinker().kept_blocks)
 
+    async def settled_request_blocks(self) -> int:
+        """``request_blocks`` once it reaches 0, or what it is after 10 s: a closed socket's
+        session ends on the server's own loop, a moment after the client's."""
+        with anyio.move_on_after(10):
+            while self.request_blocks():  # noqa: ASYNC110  (the engines' count: no event)
+                await anyio.sleep(0.01)
+        return self.request_blocks()
+
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
@@ -127,7 +135,7 @@ async def test_a_text_turn_gets_a_spoken_reply_with_its_transcript(live: Live) -
     assert transcript and len(audio) > CLIENT_RATE // 5 and len(audio) % 2 == 0
     item_added = next(e for e in seen if e.type == "conversation.item.added")
     assert item_added.previous_item_id == added.item.id
-    assert live.request_blocks() == 0
+    assert await live.settled_request_blocks() == 0
 
 
 async def test_the_beta_dialect_gets_the_beta_event_names(live: Live) -> None:
@@ -189,9 +197,7 @@ async def test_speaking_over_a_reply_cancels_it_and_frees_its_memory(live: Live)
         cancel_s = time.perf_counter() - heard
         assert done.response.status == "cancelled"
         assert done.response.status_details.reason == "turn_detected"
-        with anyio.fail_after(10):
-            while live.request_blocks():  # noqa: ASYNC110  (the engines' count: no event)
-                await anyio.sleep(0.01)
+        assert await live.settled_request_blocks() == 0
         print(f"barge-in: speech_started to response.done {cancel_s * 1000:.0f} ms")
         # The session goes on: a new turn gets a reply.
         await conn.conversation.item.create(item=TEXT_TURN)
@@ -444,7 +450,7 @@ async def test_committed_speech_is_heard_and_answered(live: Live) -> None:
     # far behind the encoder is (the VAD test below measures a turn's end).
     assert 0 <= left <= total
     assert typed.response.status == "completed"
-    assert live.request_blocks() == 0
+    assert await live.settled_request_blocks() == 0
 
 
 async def test_a_cleared_buffer_is_not_heard(live: Live) -> None:
@@ -498,7 +504,7 @@ async def test_a_conversation_item_with_audio_is_heard_and_answered(live: Live) 
     assert added.item.content[0].type == "input_audio"
     assert done.response.status == "completed" and done.response.output[0].content[0].text
     assert error.error.param == "item.content[0].audio" and "at most 120 s" in error.error.message
-    assert live.request_blocks() == 0
+    assert await live.settled_request_blocks() == 0
 
 
 async def test_an_unknown_model_closes_with_an_error(live: Live) -> None:
@@ -657,7 +663,7 @@ async def test_twenty_turns_reuse_the_conversation_and_leave_nothing_behind(live
             # Each turn after the first starts from the KV the turn before kept: at least
             # the turn before's prompt (the conversation grows by a turn each time).
             assert turn == 0 or live.thinker().reused_tokens - reused > 20 * turn
-        assert live.request_blocks() == 0 < live.kv_blocks()  # the conversation is kept
+        assert await live.settled_request_blocks() == 0 < live.kv_blocks()  # conversation kept
     # The socket is closed: every request, walk, KV block (the kept conversation's too: the
     # session frees it as it ends) and VAD stream of it is gone.
     with anyio.fail_after(10):
