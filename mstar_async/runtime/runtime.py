@@ -21,7 +21,7 @@ from mstar_async.runtime.session import SpeechSession
 from mstar_async.voices import VoiceRecord, VoiceRegistry, VoiceStore
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
-from mstar_async.worker.walk_loop import ForwardThread, WalkLoop
+from mstar_async.worker.walk_loop import WalkLoop, build_engines
 
 log = get_logger("mstar_async.runtime")
 
@@ -187,18 +187,19 @@ async def open_runtime(
     if launcher is not None and placement is None:
         raise ValueError("a launcher starts worker ranks: pass a placement too")
     store = voices if isinstance(voices, VoiceStore) or voices is None else VoiceStore(voices)
+    registry = None if store is None else VoiceRegistry(store, model.name)
     try:
         if placement is None:
             async with _in_process(
                 model, max_batch_size, max_batch_tokens, forward_time_bound_s
             ) as runtime:
-                runtime.voices = None if store is None else VoiceRegistry(store, model.name)
+                runtime.voices = registry
                 yield runtime
         else:
             async with _with_workers(
                 model, placement, max_batch_tokens, forward_time_bound_s, launcher
             ) as runtime:
-                runtime.voices = None if store is None else VoiceRegistry(store, model.name)
+                runtime.voices = registry
                 yield runtime
     except BaseExceptionGroup as group:
         # The caller's own exception, not a group our task groups wrapped around it.
@@ -209,15 +210,7 @@ async def open_runtime(
 async def _in_process(
     model: Model, max_batch_size: int, max_batch_tokens: int, forward_time_bound_s: float
 ) -> AsyncIterator[Runtime]:
-    # Built on the thread that will run their forwards (see ``ForwardThread``).
-    thread = ForwardThread("mstar-forward")
-    engines = {}
-    try:
-        for name, factory in model.components.items():
-            engines[name] = await thread.call(factory)
-    except BaseException:
-        thread.close()
-        raise
+    thread, engines = await build_engines(model.components)
     batching = WalkLoop(
         engines,
         max_batch_size=max_batch_size,

@@ -38,7 +38,7 @@ from mstar_async.transport import (
 from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
 from mstar_async.worker.tensor_links import WorkerTensors, bind_peer_endpoint
 from mstar_async.worker.tensor_store import TensorStore
-from mstar_async.worker.walk_loop import ForwardThread, WalkLoop
+from mstar_async.worker.walk_loop import WalkLoop, build_engines
 from mstar_async.worker.walk_service import WalkService
 from mstar_async.worker.wire_types import register_wire_types
 
@@ -100,15 +100,7 @@ async def serve(config: WorkerConfig) -> None:
     register_wire_types()
     keys = CurveKeys.load(config.curve_keys) if config.curve_keys else None
     model = ModelSource(**config.source).build()
-    # Built on the thread that will run their forwards (see ``ForwardThread``).
-    thread = ForwardThread("mstar-forward")
-    engines = {}
-    try:
-        for name in config.engines:
-            engines[name] = await thread.call(model.components[name])
-    except BaseException:
-        thread.close()
-        raise
+    thread, engines = await build_engines({name: model.components[name] for name in config.engines})
     batching = WalkLoop(
         engines,
         max_batch_tokens=config.max_batch_tokens,

@@ -93,6 +93,24 @@ class ForwardThread:
         self._jobs.put(None)
 
 
+async def build_engines(
+    factories: Mapping[str, Callable[[], Engine]],
+) -> tuple[ForwardThread, dict[str, Engine]]:
+    """Each factory's engine, built on a new ``ForwardThread`` that is to run their forwards
+    (hand both to ``WalkLoop``). Closes the thread and re-raises if a factory fails; not
+    cancel-safe beyond that (an engine being built finishes on its thread).
+    """
+    thread = ForwardThread("mstar-forward")
+    engines: dict[str, Engine] = {}
+    try:
+        for name, factory in factories.items():
+            engines[name] = await thread.call(factory)
+    except BaseException:
+        thread.close()
+        raise
+    return thread, engines
+
+
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():
         return
