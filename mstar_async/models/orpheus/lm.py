@@ -136,13 +136,20 @@ def build_lm_engine(
     """
     if path is not None:
         checkpoint = load_checkpoint(path)
-        hf_config, weights = checkpoint.config, checkpoint.state_dict
+        source = StateDictSource(checkpoint.state_dict)
+        model = PagedDecoder.from_source(
+            checkpoint.config, source, dtype=dtype, device=device, quantize=quantize
+        )
     else:
         assert config is not None
-        hf_config, weights = config, seeded_decoder(config, vocab, seed).state_dict()
-    model = PagedDecoder.from_source(
-        hf_config, StateDictSource(weights), dtype=dtype, device=device, quantize=quantize
-    )
+        model = seeded_decoder(config, vocab, seed)
+        if quantize is None:
+            model = model.to(device=device, dtype=dtype)
+        else:  # quantized as its seeded float weights are read
+            source = StateDictSource(model.state_dict())
+            model = PagedDecoder.from_source(
+                config, source, dtype=dtype, device=device, quantize=quantize
+            )
     return KVCacheEngine(
         model,
         model.attention_spec(dtype),
