@@ -25,6 +25,7 @@ from mstar_async.models import build_model
 from mstar_async.server.app import create_app
 from mstar_async.server.served import ModelSpec
 from tests.realtime.audio import CLIENT_RATE, pcm16, sentence, with_silence
+from tests.realtime.blocks import settled_request_blocks
 from tests.server.live import live_server
 
 pytestmark = [
@@ -43,20 +44,9 @@ def live() -> Iterator[tuple[str, Starlette]]:
         yield url, app
 
 
-def kv_blocks(app: Starlette) -> int:
-    """KV blocks of requests (beyond what sessions' conversations keep between turns)."""
-    batching = app.state.server.models["qwen3-omni"].runtime.batching
-    return int(batching.kv_blocks_in_use) - int(batching.engines["thinker"].kept_blocks)
-
-
 async def settled_kv_blocks(app: Starlette) -> int:
-    """``kv_blocks`` once it reaches 0, or what it is after 10 s: a closed session ends on the
-    server's loop a moment after the client's."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while kv_blocks(app) and loop.time() < deadline:  # noqa: ASYNC110  (a count: no event)
-        await asyncio.sleep(0.01)
-    return kv_blocks(app)
+    """Blocks of requests once the sessions have ended (see ``settled_request_blocks``)."""
+    return await settled_request_blocks(app.state.server.models["qwen3-omni"].runtime)
 
 
 class Seen:

@@ -46,6 +46,7 @@ from mstar_async.models import build_model
 from mstar_async.server.app import create_app
 from mstar_async.server.served import ModelSpec
 from tests.realtime.audio import pcm16, sentence, with_silence
+from tests.realtime.blocks import settled_request_blocks
 from tests.server.live import live_server
 
 pytestmark = [
@@ -165,18 +166,7 @@ async def test_text_turns_come_back_as_audio_and_transcript_frames(
     # Both replies and the user turns are in Pipecat's context, in order.
     roles = [m["role"] for m in context.get_messages() if isinstance(m, dict)]
     assert roles[:2] == ["user", "assistant"] and roles.count("assistant") == 2
-    models = app.state.server.models
-    batching = models["qwen3-omni"].runtime.batching
-
-    def request_blocks() -> int:  # beyond what the conversation keeps between turns
-        return int(batching.kv_blocks_in_use) - int(batching.engines["thinker"].kept_blocks)
-
-    # The session ends on the server's loop a moment after the client's pipeline does.
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while request_blocks() and loop.time() < deadline:  # noqa: ASYNC110  (a count: no event)
-        await asyncio.sleep(0.01)
-    assert request_blocks() == 0
+    assert await settled_request_blocks(app.state.server.models["qwen3-omni"].runtime) == 0
 
 
 async def test_spoken_user_audio_fires_server_vad_and_gets_a_spoken_reply(

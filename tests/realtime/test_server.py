@@ -23,6 +23,7 @@ from mstar_async.models import build_model
 from mstar_async.server.app import create_app
 from mstar_async.server.served import ModelSpec
 from tests.realtime.audio import CLIENT_RATE, pcm16, sentence, with_silence
+from tests.realtime.blocks import request_blocks, settled_request_blocks
 from tests.server.live import live_server
 
 pytestmark = [
@@ -53,17 +54,12 @@ class Live:
         return self.app.state.server.models["qwen3-omni"].runtime.batching.engines["thinker"]
 
     def request_blocks(self) -> int:
-        """KV blocks beyond what the sessions' conversations keep between turns: those of
-        requests (a request's blocks shared with its conversation's are the conversation's)."""
-        return self.kv_blocks() - int(self.thinker().kept_blocks)
+        """KV blocks of requests, beyond what the sessions' conversations keep."""
+        return request_blocks(self.app.state.server.models["qwen3-omni"].runtime)
 
     async def settled_request_blocks(self) -> int:
-        """``request_blocks`` once it reaches 0, or what it is after 10 s: a closed socket's
-        session ends on the server's own loop, a moment after the client's."""
-        with anyio.move_on_after(10):
-            while self.request_blocks():  # noqa: ASYNC110  (the engines' count: no event)
-                await anyio.sleep(0.01)
-        return self.request_blocks()
+        """``request_blocks`` once the sessions have ended (``blocks.settled_request_blocks``)."""
+        return await settled_request_blocks(self.app.state.server.models["qwen3-omni"].runtime)
 
 
 @pytest.fixture(scope="module")
