@@ -18,6 +18,7 @@ import torch
 
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
+from mstar_async.errors import WalkInputError
 from mstar_async.graph import (
     ContextLimit,
     DynamicLoop,
@@ -179,6 +180,10 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
             stop_token_ids=stop_ids,
         )
         ids = torch.tensor(_prompt_ids(tokenizer, prompt, messages, chat), dtype=torch.long)
+        if len(ids) == 0:
+            raise WalkInputError(
+                "the prompt is empty: pass prompt='...' (mstar run: --prompt TEXT) or messages=[...]"
+            )
         out = _Text(tokenizer, stop or [])
         reason = "length"
         first = int((await request.run("prefill", tokens=ids, sampling=sampling))["token"])
@@ -228,7 +233,11 @@ def weight_form(quantize: str | None, *, embedded: bool, dtype: str) -> str | No
     return quantize
 
 
-@register("causal-lm", "a Llama/Qwen2 checkpoint folder (default SmolLM2-135M-Instruct) for text")
+@register(
+    "causal-lm",
+    "a Llama/Qwen2 checkpoint folder (default SmolLM2-135M-Instruct) for text",
+    required=("prompt",),
+)
 def build_causal_lm(
     path: str | Path | None = None,
     *,

@@ -99,7 +99,7 @@ def test_a_writable_output_is_not_left_behind_by_a_refused_run(
 def test_a_failed_request_is_reported_once(
     tiny_folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["run", "causal-lm", "--path", str(tiny_folder), "--max-tokens", "0"]
+    argv = ["run", "causal-lm", "--path", str(tiny_folder), "--prompt", "Hi", "--max-tokens", "0"]
     assert main(argv) == 1
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if not line.startswith("loading ")]
@@ -113,6 +113,10 @@ def test_a_speech_model_needs_its_text(capsys: pytest.CaptureFixture[str]) -> No
         "mstar run: model 'orpheus' needs --text"
     )
     assert fails(["run", "qwen3-omni"], capsys) == "mstar run: model 'qwen3-omni' needs --text"
+
+
+def test_a_text_model_needs_its_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fails(["run", "causal-lm"], capsys) == "mstar run: model 'causal-lm' needs --prompt"
 
 
 def test_inputs_with_documented_defaults_keep_them(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,10 @@ def test_mstar_run_serves_the_quantized_form(
 def test_mstar_run_refuses_unknown_forms_and_models_without_one(
     tiny_folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = fails(["run", "causal-lm", "--path", str(tiny_folder), "--quantize", "fp8"], capsys)
+    line = fails(
+        ["run", "causal-lm", "--path", str(tiny_folder), "--quantize", "fp8", "--prompt", "Hi"],
+        capsys,
+    )
     assert line == (
         "mstar run: cannot build causal-lm: quantize must be one of auto, none, int8, int4; "
         "got 'fp8'"
