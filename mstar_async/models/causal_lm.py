@@ -102,6 +102,8 @@ def build_lm_engine(
         As ``load_decoder``.
     """
     model = load_decoder(folder, dtype=dtype, device=device, quantize=quantize, gguf=gguf)
+    if compile:
+        model.fuse()
     return KVCacheEngine(
         model,
         model.attention_spec(dtype),
@@ -182,7 +184,8 @@ def _program(tokenizer: ChatTokenizer) -> Callable[..., AsyncGenerator[Any, None
         ids = torch.tensor(_prompt_ids(tokenizer, prompt, messages, chat), dtype=torch.long)
         if len(ids) == 0:
             raise WalkInputError(
-                "the prompt is empty: pass prompt='...' (mstar run: --prompt TEXT) or messages=[...]"
+                "the prompt is empty: pass prompt='...' (mstar run: --prompt TEXT) or "
+                "messages=[...]"
             )
         out = _Text(tokenizer, stop or [])
         reason = "length"

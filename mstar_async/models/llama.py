@@ -473,7 +473,10 @@ class _DecoderLayer(nn.Module):
 
     def fuse(self) -> None:
         """Lay q/k/v and gate/up out as one matrix each, the upstream parameters becoming views
-        of it: one matmul instead of three (and two), no extra memory, same state dict."""
+        of it: one matmul instead of three (and two), no extra memory, same state dict. Does
+        nothing for a quantized layer or one already fused; never raises."""
+        if self.qkv_proj is not None or self._qkv_weight is not None:
+            return
         attn, mlp = self.self_attn, self.mlp
         self._qkv_weight, self._qkv_bias = _fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self._gate_up_weight, self._gate_up_bias = _fuse_linears(mlp.gate_proj, mlp.up_proj)
@@ -586,6 +589,14 @@ class PagedDecoder(nn.Module):
         # they must not appear in the state dict.
         self._inv_freq = config.rope.inv_freq(config.head_dim)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def fuse(self) -> None:
+        """Fuse every layer's projections now (``_DecoderLayer.fuse``) rather than at its first
+        forward: a compiled forward must not meet the fusion's new parameters (a graph break
+        that leaves each layer compiled apart, once per layer index). Never raises."""
+        for layer in self.model.layers:
+            assert isinstance(layer, _DecoderLayer)
+            layer.fuse()
 
     def _tie(self) -> None:
         if self.config.tie_word_embeddings:
