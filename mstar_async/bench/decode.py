@@ -2,7 +2,7 @@
 
 Workload (the defaults): SmolLM2-135M-Instruct, bfloat16 and float32, prompts of exactly 64
 tokens, 128 new tokens per request with EOS ignored (so every request makes exactly 128),
-greedy, at 1, 8 and 32 concurrent requests. Four systems run on the same weights:
+greedy, at 1, 8 and 32 concurrent requests. Five systems run on the same weights:
 
 - ``runtime``: the ``causal-lm`` model served by ``open_runtime`` in this process; N tasks
   each run ``runtime.generate(...)`` at once on the caller's event loop (uvloop under the
@@ -21,6 +21,9 @@ greedy, at 1, 8 and 32 concurrent requests. Four systems run on the same weights
   ``max_new_tokens``), one request after another. Sequential requests all run at one rate,
   so unless every request is measured (``--full``) a few are, and tokens/s is their rate
   (the report says so).
+- ``transformers-static``: the same model and generation settings, the N prompts as one
+  static batch of one ``generate`` call (every prompt has the same length, so no padding):
+  the batched baseline a serving system must beat at N > 1.
 - ``handloop``: our ``KVCacheEngine`` driven by a plain loop: one ``forward`` with N prefill
   steps, then ``new_tokens - 1`` forwards of N decode steps. No graph, no scheduling, no
   detokenizer: the floor the runtime's overhead is measured against.
@@ -115,10 +118,15 @@ Progress = Callable[[str], None]
 #: in-process runtime sits between the one-worker runtime and the hand loop either way: its
 #: ratios to those two are the finer ones (0.9x aims), so those measurements are the ones kept
 #: back to back.
-SYSTEMS = ("one-worker", "runtime", "handloop", "transformers")
+SYSTEMS = ("one-worker", "runtime", "handloop", "transformers", "transformers-static")
 
 #: The ratios reported for every (dtype, concurrency): numerator system / denominator system.
-RATIOS = (("runtime", "transformers"), ("runtime", "handloop"), ("one-worker", "runtime"))
+RATIOS = (
+    ("runtime", "transformers"),
+    ("runtime", "transformers-static"),
+    ("runtime", "handloop"),
+    ("one-worker", "runtime"),
+)
 
 #: The dtypes measured, by the names ``causal-lm`` takes.
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,6 +160,7 @@ AIMS = (
     Aim("runtime/handloop", 32, 0.9),
     Aim("runtime/transformers", 1, 1.5),
     Aim("one-worker/runtime", 32, 0.9),
+    Aim("runtime/transformers-static", 32, 2.0),
 )
 
 
@@ -635,22 +644,32 @@ def _tokens_of(results: Sequence[StepResult], op: str) -> list[torch.Tensor]:
     return tokens
 
 
+def _transformers_model(folder: Path, dtype: torch.dtype) -> Any:
+    """The checkpoint as ``AutoModelForCausalLM``, in eval mode.
+
+    Raises:
+        BenchmarkError: transformers is not installed.
+    """
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise BenchmarkError(
+            "the transformers baseline needs transformers: pip install -e '.[test]'"
+        ) from exc
+    # transformers is only partly typed: hold its objects as Any.
+    loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return loaded.eval()
+
+
 class _TransformersSystem:
-    """``transformers`` greedy ``generate``, one request after another."""
+    """``transformers`` greedy ``generate``: one request after another, or (``static``) the
+    N prompts as one batch."""
 
-    name = "transformers"
-
-    def __init__(self, folder: Path, dtype: torch.dtype, eos_token_ids: Sequence[int]) -> None:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError as exc:
-            raise BenchmarkError(
-                "the transformers baseline needs transformers: pip install -e '.[test]'"
-            ) from exc
-        # transformers is only partly typed: hold its objects as Any.
-        loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        self.model: Any = loaded.eval()
+    def __init__(self, model: Any, eos_token_ids: Sequence[int], *, static: bool) -> None:
+        self.model = model
         self.eos = sorted(eos_token_ids)
+        self.static = static
+        self.name = "transformers-static" if static else "transformers"
 
     def _generation_config(self, new_tokens: int) -> Any:
         from transformers import GenerationConfig
@@ -670,16 +689,22 @@ class _TransformersSystem:
     def measure(
         self, prompts: Sequence[Prompt], new_tokens: int, timed: int | None = None
     ) -> Measurement:
-        count = len(prompts) if timed is None else min(timed, len(prompts))
+        """Generate ``new_tokens`` for the first ``timed`` prompts one by one (all of them
+        when ``None``), or for every prompt in one batch (``static``); never raises on its
+        own (a wrong token count is ``check_tokens``'s to find)."""
+        count = len(prompts) if timed is None or self.static else min(timed, len(prompts))
         config = self._generation_config(new_tokens)
-        inputs = [torch.tensor([p.ids], dtype=torch.long) for p in prompts[:count]]
+        rows = [p.ids for p in prompts[:count]]
+        # The prompts all have the same length, so a static batch needs no padding.
+        batches = [rows] if self.static else [[row] for row in rows]
+        inputs = [torch.tensor(batch, dtype=torch.long) for batch in batches]
         tokens = 0
         started = time.perf_counter()
         for ids in inputs:
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
-            tokens += int(out.shape[1]) - int(ids.shape[1])
+            tokens += (int(out.shape[1]) - int(ids.shape[1])) * int(ids.shape[0])
         finished = time.perf_counter()
         return Measurement(
             self.name,
@@ -843,9 +868,8 @@ async def _open_systems(
         folder, dtype, max(config.concurrency), config.prompt_tokens + config.new_tokens
     )
     progress(f"{dtype}: loading transformers model")
-    transformers_system = _TransformersSystem(
-        folder, _TORCH_DTYPES[dtype], sorted(tokenizer.eos_token_ids)
-    )
+    reference = _transformers_model(folder, _TORCH_DTYPES[dtype])
+    eos = sorted(tokenizer.eos_token_ids)
     progress(f"{dtype}: building the hand-loop engine")
     # Built on a worker thread, exactly as open_runtime builds the runtime's engine.
     build = functools.partial(
@@ -871,7 +895,8 @@ async def _open_systems(
             "one-worker": _OneWorkerSystem(worker),
             "runtime": RuntimeSystem(runtime),
             "handloop": hand,
-            "transformers": transformers_system,
+            "transformers": _TransformersSystem(reference, eos, static=False),
+            "transformers-static": _TransformersSystem(reference, eos, static=True),
         }
 
 
@@ -982,7 +1007,7 @@ def _aims(configurations: Sequence[dict[str, Any]], dtypes: Sequence[str]) -> li
 
 
 def _systems(timed: int | None, threads: int) -> list[dict[str, Any]]:
-    """The four systems, with the torch threads of the process that runs each one's forwards
+    """The five systems, with the torch threads of the process that runs each one's forwards
     (``one-worker``: its worker rank; its conductor runs in this process, with ``threads``)."""
     descriptions = {
         "one-worker": (
@@ -995,6 +1020,9 @@ def _systems(timed: int | None, threads: int) -> list[dict[str, Any]]:
         "transformers": (
             "AutoModelForCausalLM.generate, greedy, one request after another"
             + ("" if timed is None else f" (at most {timed} timed per repetition)")
+        ),
+        "transformers-static": (
+            "AutoModelForCausalLM.generate, greedy, the N prompts as one static batch"
         ),
     }
     entries = [system_entry(name, descriptions[name], torch_threads=threads) for name in SYSTEMS]
@@ -1088,8 +1116,9 @@ def _percent(summary: dict[str, Any] | None) -> str:
 
 _HEADER = (
     f"{'N':>4} | {'runtime tok/s':>22} | {'one-worker tok/s':>22} | "
-    f"{'transformers tok/s':>22} | {'handloop tok/s':>22} | {'runtime/transformers':>22} | "
-    f"{'runtime/handloop':>20} | {'one-worker/runtime':>20} | {'rt TTFT p50 ms':>14} | "
+    f"{'transformers tok/s':>22} | {'static batch tok/s':>22} | {'handloop tok/s':>22} | "
+    f"{'runtime/transformers':>22} | {'runtime/static':>20} | {'runtime/handloop':>20} | "
+    f"{'one-worker/runtime':>20} | {'rt TTFT p50 ms':>14} | "
     f"{'rt ITL p50 ms':>13} | {'1w ITL p50 ms':>13} | {'rt busy':>7}"
 )
 
@@ -1102,8 +1131,10 @@ def _row(entry: dict[str, Any]) -> str:
         f"{entry['concurrency']:>4} | {_cell(runtime['tokens_per_s']):>22} | "
         f"{_cell(worker['tokens_per_s']):>22} | "
         f"{_cell(systems['transformers']['tokens_per_s']):>22} | "
+        f"{_cell(systems['transformers-static']['tokens_per_s']):>22} | "
         f"{_cell(systems['handloop']['tokens_per_s']):>22} | "
         f"{_cell(ratios['runtime/transformers'], 2, 'x'):>22} | "
+        f"{_cell(ratios['runtime/transformers-static'], 2, 'x'):>20} | "
         f"{_cell(ratios['runtime/handloop'], 2, 'x'):>20} | "
         f"{_cell(ratios['one-worker/runtime'], 2, 'x'):>20} | "
         f"{_cell(runtime['ttft_ms_p50'], 0):>14} | {_cell(runtime['itl_ms_p50'], 1):>13} | "
@@ -1117,7 +1148,8 @@ def _threads_line(report: dict[str, Any]) -> str:
     threads = {name: entry["torch_threads"] for name, entry in systems.items()}
     return (
         f"torch threads: runtime {threads['runtime']}, handloop {threads['handloop']}, "
-        f"transformers {threads['transformers']} (all in this process); one-worker "
+        f"transformers {threads['transformers']}, transformers-static "
+        f"{threads['transformers-static']} (all in this process); one-worker "
         f"{threads['one-worker']} in its worker process, while this process runs its conductor "
         f"with {systems['one-worker']['conductor_torch_threads']} (the two processes share the "
         f"{report['machine']['cpu_count']} CPUs)"
