@@ -211,7 +211,8 @@ def _add_decode_parser(kinds: Any) -> None:
         description=(
             "Decode throughput of causal-lm (SmolLM2-135M by default) through the runtime, in "
             "this process and with its engine in one worker process, against transformers' "
-            "generate (requests one after another) and a hand-written loop over the same "
+            "generate (requests one after another, and the N prompts as one static batch) "
+            "and a hand-written loop over the same "
             "engine, at several concurrencies. Default: the full workload (bf16 and fp32, "
             "64-token prompts, 128 new tokens, N = 1, 8, 32, 3 repetitions)."
         ),
