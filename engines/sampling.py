@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k and top-p, with per-request seeds.
+"""Batched next-token sampling: greedy, temperature, top-k and top-p, with per-request seeds;
+and transformers' repetition penalty for samplers that know the tokens already generated.
 
 One call samples every row of a step's logits. Greedy rows take the argmax. Other rows are
 divided by their temperature, cut to their top-k and then to their top-p nucleus, and drawn
@@ -19,7 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "make_generator", "sample"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "SamplingParams",
+    "make_generator",
+    "penalize_repeats",
+    "sample",
+]
 
 # Temperatures below this sample as greedy: dividing logits by a tinier number overflows
 # float32 to inf, and the distribution is one-hot to float32 precision long before that.
@@ -45,6 +52,9 @@ class SamplingParams:
         max_tokens: >= 1; most tokens to generate.
         stop_token_ids: tokens that end the request (any iterable of ints >= 0 is accepted and
             stored as a frozenset).
+        repetition_penalty: > 0; 1 is off. Applied by a sampler that is given the tokens
+            already generated (:func:`penalize_repeats`), before temperature and the cuts;
+            ``sample`` itself knows no history and ignores it.
     """
 
     temperature: float = 1.0
@@ -53,6 +63,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         """Check every field and normalise ``temperature`` / ``top_p`` to float and
@@ -88,8 +99,12 @@ class SamplingParams:
         bad = [x for x in stops if isinstance(x, bool) or not isinstance(x, int) or x < 0]
         if bad:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {sorted(map(repr, bad))}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not (0 < r < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
         # Frozen dataclass: normalising needs object.__setattr__.
         object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "repetition_penalty", float(r))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "stop_token_ids", stops)
 
@@ -117,6 +132,23 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
         raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
     return gen.manual_seed(seed)
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits`` (``[..., vocab]``) with the logit of every token in ``seen`` penalised once,
+    as transformers' ``RepetitionPenaltyLogitsProcessor`` does: divided by ``penalty`` where
+    positive, multiplied where negative. Ids outside the vocabulary are ignored. A new tensor
+    (``logits`` itself when ``penalty`` is 1 or nothing was seen); raises nothing.
+    """
+    vocab = logits.shape[-1]
+    ids = seen.reshape(-1).to(device=logits.device, dtype=torch.int64)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    if penalty == 1.0 or not ids.numel():
+        return logits
+    repeated = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+    repeated[ids] = True
+    punished = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(repeated, punished, logits)
 
 
 def sample(

@@ -25,6 +25,7 @@ from mstar_async.engines.sampling import (
     GREEDY_TEMPERATURE,
     SamplingParams,
     make_generator,
+    penalize_repeats,
     sample,
 )
 
@@ -325,6 +326,11 @@ def test_frequencies_match_probabilities(params: SamplingParams, expected: torch
         ({"max_tokens": True}, "max_tokens"),
         ({"stop_token_ids": frozenset({-3})}, "stop_token_ids"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.05}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -355,3 +361,31 @@ def test_make_generator_and_sample_argument_checks() -> None:
         sample(torch.zeros(4), [SamplingParams()], [None])
     empty = sample(torch.zeros(0, 4), [], [])
     assert empty.shape == (0,) and empty.dtype == torch.int64
+
+
+# ------------------------------------------------------------------------- repetition penalty
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    # Token 1 twice (penalised once), 7 and -1 outside the vocabulary (ignored).
+    seen = torch.tensor([0, 1, 1, 4, 7, -1])
+    out = penalize_repeats(logits, seen, 2.0)
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0, -4.0]
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # a new tensor
+    assert penalize_repeats(logits, seen, 1.0) is logits
+    assert penalize_repeats(logits, torch.zeros(0, dtype=torch.long), 2.0) is logits
+
+
+@pytest.mark.parametrize("penalty", [1.05, 1.3, 0.8])
+def test_repetition_penalty_equals_transformers_processor(penalty: float) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = make_logits(3, 50, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    seen = torch.randint(0, 50, (3, 9), generator=gen)
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone())
+    rows = zip(logits, seen, strict=True)
+    mine = torch.stack([penalize_repeats(row, ids, penalty) for row, ids in rows])
+    torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert not torch.equal(mine, logits)

@@ -1,6 +1,7 @@
 """qwen3-tts through the runtime: streamed audio equals the decoder's windows over all frames,
 every kind of voice speaks, a cloned voice computed once equals one cloned inline, bad inputs
-say what is wrong, and cancelling mid-speech frees every KV block."""
+say what is wrong, and cancelling mid-speech frees every KV block; and the talker's codebook-0
+rule (specials, end of speech, repetition penalty) on known logits."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import anyio
 import pytest
 import torch
 
+from mstar_async.engines.sampling import SamplingParams
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+from mstar_async.models.qwen3_omni.embeds_engine import Sampler
+from mstar_async.models.qwen3_omni.talker import sample_code0
 from mstar_async.models.qwen3_tts.model import prompt_ids, seeded_config
 from mstar_async.models.qwen3_tts.program import chat_ids
 from mstar_async.models.qwen3_tts.prompt import lay_out
@@ -101,6 +105,7 @@ async def test_bad_inputs_name_the_problem(runtime_model: Any) -> None:
             ({"text": TEXT, "language": "klingon"}, "unknown language 'klingon'"),
             ({"text": TEXT, "ref_audio": _ref_pcm()}, "ref_text"),
             ({"text": "", "speaker": "ryan"}, "text to speak is empty"),
+            ({"text": TEXT, "repetition_penalty": 0}, "repetition_penalty must be"),
         ]
         for inputs, message in cases:
             with pytest.raises(Exception) as caught:
@@ -138,3 +143,27 @@ def test_chat_ids_cut_as_upstream_and_layout_rows() -> None:
     assert icl.trailing.tolist() == [*[7, 8, *body][3:], ids.tts_eos]
     with pytest.raises(ValueError, match="transcript"):
         lay_out(ids, role, body, ref_codes=codes)
+
+
+def test_codebook_0_takes_the_repetition_penalty_on_codes_spoken() -> None:
+    # Codebook of 4; 4 and 6 are specials (never said), 5 the end of speech.
+    logits = torch.tensor([2.0, 1.95, -1.0, -3.0, 10.0, 1.0, 9.0, 0.0])
+
+    def greedy(
+        penalty: float, seen: list[int] | None, eos: bool = True, row: torch.Tensor = logits
+    ) -> int:
+        sampler = Sampler(SamplingParams(temperature=0.0, repetition_penalty=penalty), None)
+        spoken = None if seen is None else torch.tensor(seen, dtype=torch.long)
+        return sample_code0(
+            row.clone(), sampler, codebook_size=4, codec_eos=5, eos_allowed=eos, seen=spoken
+        )
+
+    assert greedy(1.0, [0, 3]) == 0  # 2.0 is the largest code
+    assert greedy(1.05, None) == 0  # nothing spoken yet
+    assert greedy(1.05, [0, 3]) == 1  # 2.0 / 1.05 = 1.905 < 1.95
+    # A penalty that pushes every code below the end of speech ends it, where it may.
+    assert greedy(2.5, [0, 1]) == 5  # 0.8 and 0.78 < 1.0
+    assert greedy(2.5, [0, 1], eos=False) == 0  # 0.8 > 0.78
+    # Negative logits are multiplied (-1.0 * 1.5 = -1.5 < -1.2), not divided.
+    negative = torch.tensor([-1.0, -1.2, -2.0, -3.0, 0.0, -9.0, 0.0, 0.0])
+    assert greedy(1.5, [0], row=negative) == 1

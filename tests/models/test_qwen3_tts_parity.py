@@ -6,12 +6,13 @@ built from tiny configs with seeded weights; ours load their state dicts by upst
 talker's hidden states and codec logits, the code predictor, the speaker encoder on PCM (mel
 features included), the decoder and its ``chunked_decode``, and upstream's prompt for every
 kind of voice, captured from its ``generate``. Then a checkpoint folder in upstream's layout
-runs through the runtime greedily, and its frames and audio equal a step-by-step loop over
-upstream's modules.
+runs through the runtime greedily, and its frames (under upstream's default repetition penalty,
+none, and a strong one) and audio equal a step-by-step loop over upstream's modules.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ pytestmark = [
 ]
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
+#: A repetition penalty strong enough to change the tiny model's greedy frames.
+PENALTY = 1.5
 TEXT_VOCAB = 49152 + 3  # SmolLM2's vocabulary and the three tts ids after it
 TTS_BOS, TTS_EOS, TTS_PAD = 49152, 49153, 49154
 CODEBOOK, GROUPS = 64, 4
@@ -371,17 +374,24 @@ def _save_folder(tmp: Path, ours: TTSConfig, upstream: Any, upstream_decoder: An
 
 
 def _reference_frames(
-    upstream: Any, rows: torch.Tensor, trailing: torch.Tensor, n: int
+    upstream: Any, rows: torch.Tensor, trailing: torch.Tensor, n: int, penalty: float
 ) -> list[torch.Tensor]:
     """Greedy frames from upstream's modules, every step recomputed densely: codebook 0 from
-    ``codec_head`` (specials suppressed, end of speech too for the first two frames), the rest
+    ``codec_head`` after transformers' repetition penalty over the codebook-0 codes so far (as
+    upstream's ``generate`` passes it; none at 1.0) and with the specials suppressed, the rest
     from the code predictor; the next row is the frame's embeddings plus the trailing text."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
     talker = upstream.talker
     pred = talker.code_predictor
-    x, frames = rows[None], []
+    repeats = RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None
+    x, frames = rows[None], list[torch.Tensor]()
     for step in range(n):
         hidden = talker.model(inputs_embeds=x).last_hidden_state[0, -1]
-        logits = talker.codec_head(hidden)
+        logits = talker.codec_head(hidden).float()
+        if repeats is not None:
+            spoken = torch.tensor([[int(f[0]) for f in frames]], dtype=torch.long)
+            logits = repeats(spoken, logits[None])[0]
         logits[CODEBOOK:] = float("-inf")
         code0 = int(logits.argmax())
         seq = torch.stack([hidden, talker.model.codec_embedding.weight[code0]])[None]
@@ -409,29 +419,40 @@ async def test_checkpoint_folder_runs_as_upstream(
 ) -> None:
     folder = _save_folder(tmp_path, ours, upstream, upstream_decoder, up)
     model = build_model("qwen3-tts", path=folder, chunk=4)
+    # Our default repetition penalty is upstream's.
+    default = inspect.signature(model.program).parameters["repetition_penalty"].default
+    assert default == inspect.signature(upstream.generate).parameters["repetition_penalty"].default
     n = 10
     gen = torch.Generator().manual_seed(4)
     pcm = (torch.randn(24_000, generator=gen) * 0.1).clamp(-1, 1)
+    runs: dict[float, list[Any]] = {}
     with anyio.fail_after(60):
         async with open_runtime(model) as runtime:
             async with runtime.generate(
                 text="", ref_audio=pcm, ref_text="Hi there.", encode_only=True
             ) as out:
                 (voice,) = [v async for v in out]
-            async with runtime.generate(
-                text="Hello.",
-                voice=voice,
-                max_tokens=n,
-                temperature=0,
-                subtalker_temperature=0,
-                return_codes=True,
-            ) as out:
-                items = [item async for item in out]
+            for penalty in (default, 1.0, PENALTY):
+                async with runtime.generate(
+                    text="Hello.",
+                    voice=voice,
+                    max_tokens=n,
+                    temperature=0,
+                    subtalker_temperature=0,
+                    repetition_penalty=penalty,
+                    return_codes=True,
+                ) as out:
+                    runs[penalty] = [item async for item in out]
     theirs = upstream.extract_speaker_embedding(pcm.numpy(), 24_000)
     torch.testing.assert_close(voice.speaker, theirs.float(), **TOL)
     assert voice.codes is not None and voice.codes.shape == (13, GROUPS)
-    frames = [i.latent for i in items if isinstance(i, LatentOutput)]
-    pcm_out = torch.cat([i.pcm for i in items if isinstance(i, AudioChunk)])
+    spoken = {
+        penalty: [i.latent.tolist() for i in items if isinstance(i, LatentOutput)]
+        for penalty, items in runs.items()
+    }
+    # The penalty changes what is said, so each run below checks it, not a no-op.
+    assert spoken[PENALTY] != spoken[1.0]
+    pcm_out = torch.cat([i.pcm for i in runs[default] if isinstance(i, AudioChunk)])
     from mstar_async.models.checkpoints import ChatTokenizer
     from mstar_async.models.qwen3_tts.program import layout_for
 
@@ -450,11 +471,12 @@ async def test_checkpoint_folder_runs_as_upstream(
     with torch.inference_mode():
         talker = _talker(ours, upstream)
         rows = talker.prompt_rows(prompt.layout, voice.speaker)
-        expected = _reference_frames(upstream, rows, prompt.trailing, n)
-        assert [f.tolist() for f in frames] == [f.tolist() for f in expected]
+        for penalty, frames in spoken.items():
+            expected = _reference_frames(upstream, rows, prompt.trailing, n, penalty)
+            assert frames == [f.tolist() for f in expected], penalty
         # Upstream decodes the reference codes and the generated ones as one sequence and cuts
         # the reference's audio; windows of 4 new frames with 25 of left context.
-        whole = torch.cat([voice.codes, torch.stack(expected)]).T[None]
+        whole = torch.cat([voice.codes, torch.tensor(spoken[default])]).T[None]
         ref = voice.codes.shape[0]
         audio = torch.cat(
             [

@@ -7,19 +7,24 @@ norm) mixes frames; two transposed-conv + ConvNeXt stages upsample; a causal con
 decoder (SnakeBeta activations, upsampling blocks with dilated residual units) makes the
 waveform, clamped to [-1, 1]. Every convolution is causal, so decoding a window of frames and
 keeping the audio of its last frames is exact streaming under left context.
+
+Everything after the frames' embedding is ``FrameDecoder``, which Qwen3-TTS's 12 Hz speech
+decoder shares (its transposed convolutions trim only their right end, and projections to and
+from its latent width wrap the transformer).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_async.models.hf_config import known_fields
 from mstar_async.models.qwen3_omni.decoder import (
     MLP,
     DenseCausalAttention,
@@ -29,7 +34,7 @@ from mstar_async.models.qwen3_omni.decoder import (
 from mstar_async.models.qwen3_omni.decoder import _Attention as _SelfAttention
 from mstar_async.policies import Chunk
 
-__all__ = ["Code2Wav", "Code2WavConfig"]
+__all__ = ["Code2Wav", "Code2WavConfig", "FrameDecoder", "chunked_decode"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Code2WavConfig:
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
     upsampling_ratios: tuple[int, ...] = (2, 2)
     decoder_dim: int = 1536
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads, as upstream without the key
 
     @property
     def total_upsample(self) -> int:
@@ -63,20 +69,17 @@ class Code2WavConfig:
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.hidden_size // self.num_attention_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
         )
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> Code2WavConfig:
-        """Read upstream's ``code2wav_config`` dict (absent keys keep upstream defaults)."""
+    def from_hf(cls, config: Mapping[str, Any]) -> Self:
+        """Read upstream's ``code2wav_config`` (or 12 Hz ``decoder_config``) dict; absent keys
+        keep upstream's defaults. Raises ValueError: a ``rope_theta`` that is not a number."""
+        kwargs = known_fields(cls, config)
         rope = config.get("rope_parameters") or {}
-        kwargs: dict[str, Any] = {
-            k: (tuple(v) if isinstance(v, list) else v)
-            for k, v in config.items()
-            if k in cls.__dataclass_fields__
-        }
         if "rope_theta" in rope:
             kwargs["rope_theta"] = float(rope["rope_theta"])
         return cls(**kwargs)
@@ -110,16 +113,21 @@ class CausalConv(nn.Module):
 
 
 class CausalTransConv(nn.Module):
-    """Transposed conv cut by ``kernel - stride`` on both ends (upstream CausalTransConvNet)."""
+    """Transposed conv cut by ``kernel - stride`` at its end, and at its start too unless
+    ``trim_left`` is false (upstream's CausalTransConvNet; the 12 Hz tokenizer's cuts only the
+    end)."""
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
+    def __init__(
+        self, cin: int, cout: int, kernel: int, stride: int, *, trim_left: bool = True
+    ) -> None:
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
+        self.left = self.trim if trim_left else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.conv(x)
-        return out[..., self.trim : out.shape[-1] - self.trim]
+        return out[..., self.left : out.shape[-1] - self.trim]
 
 
 class ConvNeXtBlock(nn.Module):
@@ -169,11 +177,12 @@ class _ResidualUnit(nn.Module):
 
 
 class _DecoderBlock(nn.Module):
-    def __init__(self, cfg: Code2WavConfig, index: int) -> None:
+    def __init__(self, cfg: Code2WavConfig, index: int, trim_left: bool) -> None:
         super().__init__()
         cin, cout = cfg.decoder_dim // 2**index, cfg.decoder_dim // 2 ** (index + 1)
         rate = cfg.upsample_rates[index]
-        units: list[nn.Module] = [SnakeBeta(cin), CausalTransConv(cin, cout, 2 * rate, rate)]
+        up = CausalTransConv(cin, cout, 2 * rate, rate, trim_left=trim_left)
+        units: list[nn.Module] = [SnakeBeta(cin), up]
         units += [_ResidualUnit(cout, d) for d in (1, 3, 9)]
         self.block = nn.ModuleList(units)
 
@@ -213,7 +222,10 @@ class _TransformerLayer(nn.Module):
 
 
 class _PreTransformer(nn.Module):
-    def __init__(self, cfg: Code2WavConfig) -> None:
+    """The sliding-window transformer over frames; with ``latent``, projections from and back
+    to that width around it (``input_proj`` / ``output_proj``, the 12 Hz decoder's)."""
+
+    def __init__(self, cfg: Code2WavConfig, latent: int | None = None) -> None:
         super().__init__()
         shape = cfg.transformer()
         self.window = cfg.sliding_window
@@ -221,55 +233,77 @@ class _PreTransformer(nn.Module):
             _TransformerLayer(shape, i) for i in range(shape.num_hidden_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        width = shape.hidden_size
+        self.input_proj = nn.Identity() if latent is None else nn.Linear(latent, width)
+        self.output_proj = nn.Identity() if latent is None else nn.Linear(width, latent)
         # Explicit device: a module built on the meta device still needs its frequencies.
         steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu")
         self._inv_freq = 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One sequence ``[frames, hidden]`` -> ``[frames, hidden]``."""
+        """One sequence ``[frames, width]`` -> ``[frames, width]``."""
+        x = self.input_proj(x)
         attention = DenseCausalAttention(x.shape[0], window=self.window, device=x.device)
         freqs = attention.positions.float().unsqueeze(-1) * self._inv_freq.to(x.device)
         cos, sin = freqs.cos().to(x.dtype).unsqueeze(1), freqs.sin().to(x.dtype).unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
-        out: torch.Tensor = self.norm(x)
+        out: torch.Tensor = self.output_proj(self.norm(x))
         return out
 
 
-class Code2Wav(nn.Module):
-    """Codes ``[Q, frames]`` -> PCM; submodule names are upstream's (``code2wav.*``)."""
+class FrameDecoder(nn.Module):
+    """Frames of ``Q`` codes -> PCM: the part code2wav and the 12 Hz speech decoder share.
 
-    def __init__(self, cfg: Code2WavConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.pre_transformer = _PreTransformer(cfg)
-        self.code_embedding = nn.Embedding(cfg.codebook_size * cfg.num_quantizers, cfg.hidden_size)
-        self.upsample = nn.ModuleList(
-            nn.ModuleList(
-                [
-                    CausalTransConv(cfg.hidden_size, cfg.hidden_size, r, r),
-                    ConvNeXtBlock(cfg.hidden_size),
-                ]
-            )
+    A subclass embeds codes ``[Q, frames]`` as rows ``[frames, width]`` (``embed_frames``)
+    and builds, in upstream's order, ``pre_transformer`` (``transformer``), ``upsample``
+    (``upsampler``) and ``decoder`` (``waveform``); all after the embedding is here.
+    """
+
+    #: What error messages call the model.
+    label: ClassVar[str] = "the decoder"
+    config: Code2WavConfig
+    pre_transformer: _PreTransformer
+    upsample: nn.ModuleList
+    decoder: nn.ModuleList
+
+    @staticmethod
+    def transformer(cfg: Code2WavConfig, latent: int | None = None) -> _PreTransformer:
+        """The ``pre_transformer`` (see ``_PreTransformer``)."""
+        return _PreTransformer(cfg, latent)
+
+    @staticmethod
+    def upsampler(cfg: Code2WavConfig, width: int) -> nn.ModuleList:
+        """The ``upsample`` stages: a transposed conv (stride = kernel, nothing to trim) and a
+        ConvNeXt block per ratio."""
+        return nn.ModuleList(
+            nn.ModuleList([CausalTransConv(width, width, r, r), ConvNeXtBlock(width)])
             for r in cfg.upsampling_ratios
         )
+
+    @staticmethod
+    def waveform(cfg: Code2WavConfig, width: int, *, trim_left: bool = True) -> nn.ModuleList:
+        """The convolutional ``decoder`` from ``width`` channels to one (see
+        ``CausalTransConv`` for ``trim_left``)."""
         out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
-        decoder: list[nn.Module] = [CausalConv(cfg.hidden_size, cfg.decoder_dim, 7)]
-        decoder += [_DecoderBlock(cfg, i) for i in range(len(cfg.upsample_rates))]
-        decoder += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
-        self.decoder = nn.ModuleList(decoder)
-        offsets = torch.arange(cfg.num_quantizers, device="cpu")  # not meta (see _inv_freq)
-        self._offset = offsets[:, None] * cfg.codebook_size
+        blocks: list[nn.Module] = [CausalConv(width, cfg.decoder_dim, 7)]
+        blocks += [_DecoderBlock(cfg, i, trim_left) for i in range(len(cfg.upsample_rates))]
+        blocks += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
+        return nn.ModuleList(blocks)
+
+    def embed_frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``[Q, frames]`` -> rows ``[frames, width]`` for the transformer."""
+        raise NotImplementedError
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """Decode ``[Q, frames]`` codes to ``[samples]`` PCM in [-1, 1].
+        """Decode ``[Q, frames]`` codes to ``[frames * total_upsample]`` PCM in [-1, 1].
 
         Raises:
             ValueError: the first dim is not ``num_quantizers``.
         """
         if codes.dim() != 2 or codes.shape[0] != self.config.num_quantizers:
             raise ValueError(
-                f"code2wav expects codes [{self.config.num_quantizers}, frames], "
+                f"{self.label} expects codes [{self.config.num_quantizers}, frames], "
                 f"got {tuple(codes.shape)}"
             )
         pcm: torch.Tensor = self.unclamped(codes).clamp(-1.0, 1.0)
@@ -277,8 +311,7 @@ class Code2Wav(nn.Module):
 
     def unclamped(self, codes: torch.Tensor) -> torch.Tensor:
         """The waveform ``forward`` clamps, ``[samples]``: for calibrating seeded weights."""
-        hidden = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
-        x = self.pre_transformer(hidden).T[None]
+        x = self.pre_transformer(self.embed_frames(codes)).T[None]
         for stage in self.upsample:
             assert isinstance(stage, nn.ModuleList)
             for block in stage:
@@ -288,33 +321,75 @@ class Code2Wav(nn.Module):
         wave: torch.Tensor = x.reshape(-1)
         return wave
 
-    def decode_chunk(self, frames: torch.Tensor, context: int) -> torch.Tensor:
+    def decode_window(self, frames: torch.Tensor, context: int) -> torch.Tensor:
         """PCM of a window of frames ``[n, Q]`` minus its first ``context`` frames' audio (the
         cut upstream's ``chunked_decode`` makes)."""
         pcm: torch.Tensor = self(frames.T.long())
         return pcm[context * self.config.total_upsample :]
 
-    def decode(self, codes: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:
+    def decode(
+        self,
+        codes: Sequence[Chunk],
+        prime: Sequence[torch.Tensor] | None = None,
+        *,
+        left_context: int = 0,
+    ) -> dict[str, list[torch.Tensor]]:
         """StatelessEngine op: one PCM tensor (float32) per chunk of frames, the audio of its new
         frames; empty for a final chunk that brings none. Look-ahead frames are not decoded:
-        every convolution is causal, so they cannot change the new frames' audio."""
+        every convolution is causal, so they cannot change the new frames' audio.
+
+        ``prime`` (per chunk, ``[k, Q]``, possibly empty) are frames heard before the stream,
+        a cloned voice's reference codes: a window with less left context than the policy's
+        reaches back into them, as upstream decodes reference and generated codes as one
+        sequence, up to ``left_context`` frames in all.
+        """
         out = []
-        for chunk in codes:
+        for i, chunk in enumerate(codes):
             if not len(chunk.new):
                 out.append(torch.zeros(0))
                 continue
             assert isinstance(chunk.data, torch.Tensor)
-            frames = chunk.data[: len(chunk.data) - chunk.lookahead]
-            out.append(self.decode_chunk(frames, chunk.context).float())
+            frames = chunk.data[: len(chunk.data) - chunk.lookahead].long()
+            context = chunk.context
+            before = prime[i] if prime is not None else None
+            if before is not None and before.numel() and chunk.start == 0:
+                want = max(0, left_context - context)
+                extra = before[before.shape[0] - min(want, before.shape[0]) :].long()
+                frames = torch.cat([extra.to(frames.device), frames])
+                context += extra.shape[0]
+            out.append(self.decode_window(frames, context).float())
         return {"pcm": out}
 
 
-def chunked_decode(model: Code2Wav, frames: torch.Tensor, chunk: int, left: int) -> torch.Tensor:
+class Code2Wav(FrameDecoder):
+    """Codes ``[Q, frames]`` -> PCM; submodule names are upstream's (``code2wav.*``)."""
+
+    label = "code2wav"
+
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.pre_transformer = self.transformer(cfg)
+        self.code_embedding = nn.Embedding(cfg.codebook_size * cfg.num_quantizers, cfg.hidden_size)
+        self.upsample = self.upsampler(cfg, cfg.hidden_size)
+        self.decoder = self.waveform(cfg, cfg.hidden_size)
+        offsets = torch.arange(cfg.num_quantizers, device="cpu")  # not meta (see _inv_freq)
+        self._offset = offsets[:, None] * cfg.codebook_size
+
+    def embed_frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """The mean of each frame's ``Q`` code embeddings (one table, offset per codebook)."""
+        rows: torch.Tensor = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
+        return rows
+
+
+def chunked_decode(
+    model: FrameDecoder, frames: torch.Tensor, chunk: int, left: int
+) -> torch.Tensor:
     """All-at-once reference: decode ``[n, Q]`` frames in windows of ``chunk`` new frames with
-    up to ``left`` frames of left context, and join the kept audio."""
+    up to ``left`` frames of left context and join the kept audio (upstream's
+    ``chunked_decode`` with its ``chunk_size`` and ``left_context_size``)."""
     pieces = []
     for start in range(0, frames.shape[0], chunk):
         context = min(left, start)
-        window = frames[start - context : start + chunk]
-        pieces.append(model.decode_chunk(window, context))
+        pieces.append(model.decode_window(frames[start - context : start + chunk], context))
     return torch.cat(pieces) if pieces else torch.zeros(0)

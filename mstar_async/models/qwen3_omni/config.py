@@ -7,13 +7,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mstar_async.models.hf_config import lower_names
 from mstar_async.models.qwen3_omni.audio_encoder import AudioEncoderConfig
 from mstar_async.models.qwen3_omni.code2wav import Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config
 
-__all__ = ["SIZES", "OmniConfig"]
+__all__ = ["SIZES", "OmniConfig", "codec_ids"]
 
 SAMPLE_RATE = 24_000
+
+
+def codec_ids(talker: Mapping[str, Any]) -> dict[str, int]:
+    """The codec special ids both Qwen3 speech models read from an upstream ``talker_config``
+    dict (upstream's defaults for absent keys), by our config fields' names.
+
+    Raises:
+        ValueError, TypeError: an id that is not an integer.
+    """
+    return {
+        "codec_pad": int(talker.get("codec_pad_id", 4196)),
+        "codec_bos": int(talker.get("codec_bos_id", 4197)),
+        "codec_eos": int(talker.get("codec_eos_token_id", 4198)),
+        "codec_nothink": int(talker.get("codec_nothink_id", 4203)),
+        "codec_think_bos": int(talker.get("codec_think_bos_id", 4204)),
+        "codec_think_eos": int(talker.get("codec_think_eos_id", 4205)),
+    }
 
 
 @dataclass(frozen=True)
@@ -109,6 +127,7 @@ class OmniConfig:
             ),
         )
         groups = int(talker.get("num_code_groups", 32))
+        codec = codec_ids(talker)
         return cls(
             thinker=Qwen3Config.from_hf(thinker),
             talker=talker_shape,
@@ -117,14 +136,8 @@ class OmniConfig:
             thinker_vocab=int(thinker["vocab_size"]),
             talker_vocab=int(talker_text["vocab_size"]),
             num_code_groups=groups,
-            codec_pad=int(talker.get("codec_pad_id", 4196)),
-            codec_bos=int(talker.get("codec_bos_id", 4197)),
-            codec_eos=int(talker.get("codec_eos_token_id", 4198)),
-            codec_nothink=int(talker.get("codec_nothink_id", 4203)),
-            codec_think_bos=int(talker.get("codec_think_bos_id", 4204)),
-            codec_think_eos=int(talker.get("codec_think_eos_id", 4205)),
-            speakers=tuple((k.lower(), int(v)) for k, v in (talker.get("speaker_id") or {}).items())
-            or (("default", int(talker.get("codec_pad_id", 4196))),),
+            **codec,
+            speakers=lower_names(talker.get("speaker_id")) or (("default", codec["codec_pad"]),),
             tts_bos=config.get("tts_bos_token_id"),
             tts_eos=config.get("tts_eos_token_id"),
             tts_pad=config.get("tts_pad_token_id"),

@@ -33,7 +33,12 @@ from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
-from mstar_async.engines.sampling import SamplingParams, make_generator, sample
+from mstar_async.engines.sampling import (
+    SamplingParams,
+    make_generator,
+    penalize_repeats,
+    sample,
+)
 from mstar_async.errors import EngineError
 
 __all__ = ["EmbedsKVEngine", "EmbedsOp", "Sampler"]
@@ -79,9 +84,13 @@ class Sampler:
     params: SamplingParams
     generator: torch.Generator | None
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Draw one id from a ``[vocab]`` row of logits."""
-        return int(sample(logits.float().unsqueeze(0), [self.params], [self.generator])[0])
+    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
+        """Draw one id from a ``[vocab]`` row of logits; ids in ``seen`` (those already
+        generated) first take the request's ``repetition_penalty``. Raises nothing."""
+        row = logits.float()
+        if seen is not None:
+            row = penalize_repeats(row, seen, self.params.repetition_penalty)
+        return int(sample(row.unsqueeze(0), [self.params], [self.generator])[0])
 
 
 class EmbedsKVEngine:

@@ -28,7 +28,6 @@ finishes windows, interleaved.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
@@ -45,7 +44,6 @@ from mstar_async.graph import (
     ContextLimit,
     DynamicLoop,
     Edge,
-    Loop,
     LoopStep,
     Model,
     Node,
@@ -56,8 +54,8 @@ from mstar_async.graph import (
 )
 from mstar_async.models.checkpoints import (
     ChatTokenizer,
-    CheckpointError,
     IncrementalDecoder,
+    read_config,
     smollm2_folder,
 )
 from mstar_async.models.dtypes import DTYPES
@@ -82,6 +80,12 @@ from mstar_async.models.qwen3_omni.audio_prompt import (
 )
 from mstar_async.models.qwen3_omni.config import SAMPLE_RATE, SIZES, OmniConfig
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+from mstar_async.models.qwen3_omni.frame_loop import (
+    frame_edges,
+    frame_loop,
+    predictor_nodes,
+    stack_engine,
+)
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
@@ -136,19 +140,6 @@ def talker_tokens(
     )
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: put the model's config.json there") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot parse {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
-
-
 def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
     """The seeded model's config: ``size``'s shapes over ``tokenizer``'s vocabulary plus the
     three tts ids and the three audio ids.
@@ -176,27 +167,15 @@ def _thinker_engine(weights: OmniWeights, kv: int) -> KVCacheEngine:
 
 
 def _talker_engine(weights: OmniWeights, tokens: TalkerTokens, kv: int) -> EmbedsKVEngine:
-    cfg, talker = weights.config, weights.talker()
-    return EmbedsKVEngine(
-        talker.model,
-        cfg.talker.attention_spec(weights.dtype),
-        talker_ops(talker, weights.thinker_embedding(), tokens),
-        num_layers=cfg.talker.num_hidden_layers,
-        kv_cache_bytes=kv,
-        device=weights.device,
-    )
+    talker = weights.talker()
+    ops = talker_ops(talker, weights.thinker_embedding(), tokens)
+    return stack_engine(talker.model, weights.config.talker, ops, kv, weights)
 
 
 def _predictor_engine(weights: OmniWeights, kv: int) -> EmbedsKVEngine:
-    cfg, predictor = weights.config, weights.code_predictor()
-    return EmbedsKVEngine(
-        predictor.model,
-        cfg.predictor.attention_spec(weights.dtype),
-        predictor_ops(predictor),
-        num_layers=cfg.predictor.num_hidden_layers,
-        kv_cache_bytes=kv,
-        device=weights.device,
-    )
+    predictor = weights.code_predictor()
+    ops = predictor_ops(predictor)
+    return stack_engine(predictor.model, weights.config.predictor, ops, kv, weights)
 
 
 def _code2wav_engine(weights: OmniWeights) -> StatelessEngine:
@@ -216,15 +195,6 @@ def _text_done(prefix: str) -> Callable[[LoopStep], bool]:
         if step.iteration + 2 >= int(step.params["max_tokens"]):
             return True
         return int(step.outputs[f"{prefix}.token"]) in step.params["stop_ids"]
-
-    return until
-
-
-def _frames_done(codec_eos: int, talker: str) -> Callable[[LoopStep], bool]:
-    def until(step: LoopStep) -> bool:
-        if step.iteration + 1 >= int(step.params["max_frames"]):
-            return True
-        return int(step.outputs[f"{talker}.code"]) == codec_eos
 
     return until
 
@@ -255,20 +225,7 @@ def _nodes(audio: bool) -> list[Node]:
             inputs=["prompt", "first", "speaker", "audio_hidden", "sampling"],
             outputs=["code", "context"],
         ),
-        Node(
-            "predictor_prefill",
-            engine="predictor",
-            op="prefill",
-            inputs=["context", "sampling"],
-            outputs=["code", "codes"],
-        ),
-        Node(
-            "predictor",
-            engine="predictor",
-            op="decode",
-            inputs=["code", "codes"],
-            outputs=["code", "codes"],
-        ),
+        *predictor_nodes(),
         Node(
             "talker",
             engine="talker",
@@ -285,11 +242,7 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
         Edge("thinker_prefill.token", "thinker_text.token"),
         Edge("thinker_prefill.token", "thinker.token"),
         Edge("thinker_prefill.token", "talker_prefill.first"),
-        Edge("talker_prefill.context", "predictor_prefill.context"),
-        Edge("talker_prefill.code", "talker.code"),
-        Edge("predictor_prefill.code", "predictor.code"),
-        Edge("predictor_prefill.codes", "predictor.codes"),
-        Edge("predictor.codes", "talker.codes"),
+        *frame_edges(),
         # A token's row waits for the next token or the end: upstream's last text row is
         # tts_eos in place of the thinker's last token (see talker_ops).
         stream("thinker.token", "talker.text", LeftContextChunkPolicy(1, 0, lookahead=1)),
@@ -330,18 +283,8 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         max_iterations=max_iterations,
         carry={"thinker.token": "thinker.token"},
     )
-    residual = Loop(
-        "predictor",
-        iterations=cfg.num_code_groups - 2,
-        carry={"predictor.code": "predictor.code", "predictor.codes": "predictor.codes"},
-    )
-    frames = DynamicLoop(
-        Sequential("predictor_prefill", residual, "talker"),
-        until=_frames_done(cfg.codec_eos, "talker"),
-        max_iterations=max_iterations,
-        carry={"talker.context": "predictor_prefill.context", "talker.code": "talker.code"},
-        outlives_streams=True,
-    )
+    # The talker speaks on after the text stream ends (tts_pad rows).
+    frames = frame_loop(cfg.num_code_groups, cfg.codec_eos, max_iterations, outlives_streams=True)
     return [
         *(_audio_walks() if cfg.audio is not None else []),
         Walk(
@@ -647,7 +590,7 @@ def build_qwen3_omni(
         cfg = seeded_config(size, seed, tokenizer)
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
-        cfg = OmniConfig.from_hf(_read_config(folder))
+        cfg = OmniConfig.from_hf(read_config(folder))
     audio_ids = audio_tokens(cfg.audio_start, cfg.audio_pad, cfg.audio_end, tokenizer)
     if cfg.audio is not None and max(audio_ids.start, audio_ids.pad, audio_ids.end) >= (
         cfg.thinker_vocab

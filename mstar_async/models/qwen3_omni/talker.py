@@ -37,7 +37,15 @@ from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.policies import Chunk
 
-__all__ = ["CodePredictor", "Talker", "TalkerTokens", "predictor_ops", "talker_ops"]
+__all__ = [
+    "CodePredictor",
+    "Talker",
+    "TalkerTokens",
+    "frame_codes",
+    "predictor_ops",
+    "sample_code0",
+    "talker_ops",
+]
 
 
 @dataclass(frozen=True)
@@ -80,26 +88,45 @@ class ResizeMLP(nn.Module):
 
 
 class CodePredictor(nn.Module):
-    """Upstream ``talker.code_predictor``: ``model.{layers,norm,codec_embedding.{g}}``,
-    ``lm_head.{g}`` for the ``G - 1`` residual codebooks."""
+    """Upstream ``talker.code_predictor``: ``model.{layers,norm,codec_embedding.{g}}`` and
+    ``lm_head.{g}`` for the ``G - 1`` residual codebooks; its tables are at the talker's width
+    (``talker_hidden``, its own by default), and ``small_to_mtp_projection`` (Qwen3-TTS's,
+    absent when the widths are equal) brings rows at that width to its own."""
 
-    def __init__(self, cfg: Qwen3Config, vocab: int, groups: int) -> None:
+    def __init__(
+        self, cfg: Qwen3Config, vocab: int, groups: int, *, talker_hidden: int | None = None
+    ) -> None:
         super().__init__()
+        width = cfg.hidden_size if talker_hidden is None else talker_hidden
         self.model = Qwen3Stack(cfg)
         self.model.codec_embedding = nn.ModuleList(
-            nn.Embedding(vocab, cfg.hidden_size) for _ in range(groups - 1)
+            nn.Embedding(vocab, width) for _ in range(groups - 1)
         )
         self.lm_head = nn.ModuleList(
             nn.Linear(cfg.hidden_size, vocab, bias=False) for _ in range(groups - 1)
         )
+        self.small_to_mtp_projection: nn.Module = (
+            nn.Identity()
+            if cfg.hidden_size == width
+            else nn.Linear(width, cfg.hidden_size, bias=True)
+        )
 
-    def embed(self, group: int, code: int) -> torch.Tensor:
-        """Embedding of ``code`` of residual codebook ``group`` (1-based), ``[hidden]``."""
+    def table(self, group: int) -> nn.Embedding:
+        """Embedding table of residual codebook ``group`` (1-based), at the talker's width."""
         tables = self.model.codec_embedding
         assert isinstance(tables, nn.ModuleList)
         table = tables[group - 1]
         assert isinstance(table, nn.Embedding)
-        return table.weight[code]
+        return table
+
+    def embed(self, group: int, code: int) -> torch.Tensor:
+        """Embedding of ``code`` of residual codebook ``group`` (1-based), ``[talker hidden]``."""
+        return self.table(group).weight[code]
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Talker-width rows -> the predictor's width."""
+        out: torch.Tensor = self.small_to_mtp_projection(rows)
+        return out
 
 
 class Talker(nn.Module):
@@ -146,19 +173,36 @@ class Talker(nn.Module):
         return out
 
 
-def _code0(talker: Talker, tokens: TalkerTokens, hidden: torch.Tensor, sampler: Sampler) -> int:
-    logits = talker.codec_head(hidden).float()
-    # As upstream: the codec specials above the codebook are never predicted, except the end.
-    eos = logits[tokens.codec_eos].clone()
-    logits[tokens.codebook_size :] = float("-inf")
-    logits[tokens.codec_eos] = eos
-    return sampler.sample(logits)
+def sample_code0(
+    logits: torch.Tensor,
+    sampler: Sampler,
+    *,
+    codebook_size: int,
+    codec_eos: int,
+    eos_allowed: bool = True,
+    seen: torch.Tensor | None = None,
+) -> int:
+    """Codebook 0 of a frame from the talker's codec logits ``[vocab]``, as upstream samples
+    it: the codec specials above the codebook are never predicted, except the end of speech
+    where ``eos_allowed``; codes in ``seen`` take the request's repetition penalty (see
+    ``Sampler.sample``). Raises nothing."""
+    logits = logits.float()
+    eos = logits[codec_eos].clone()
+    logits[codebook_size:] = float("-inf")
+    if eos_allowed:
+        logits[codec_eos] = eos
+    return sampler.sample(logits, seen)
 
 
 def _after(
     talker: Talker, tokens: TalkerTokens, hidden: torch.Tensor, sampler: Sampler
 ) -> dict[str, Any]:
-    code = _code0(talker, tokens, hidden, sampler)
+    code = sample_code0(
+        talker.codec_head(hidden),
+        sampler,
+        codebook_size=tokens.codebook_size,
+        codec_eos=tokens.codec_eos,
+    )
     context = torch.stack([hidden, talker.codec_embedding.weight[code]])
     return {"code": torch.tensor(code), "context": context}
 
@@ -294,7 +338,7 @@ def talker_ops(
         )
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        frame = _frame(inputs)
+        frame = frame_codes(inputs)
         row = talker.frame_embedding(frame) + _text_row(
             talker, thinker_embed, tokens, inputs["text"]
         )
@@ -309,7 +353,7 @@ def talker_ops(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
         return [
-            {**_after(talker, tokens, h, s), "frame": _frame(inputs)}
+            {**_after(talker, tokens, h, s), "frame": frame_codes(inputs)}
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
@@ -319,7 +363,9 @@ def talker_ops(
     }
 
 
-def _frame(inputs: Mapping[str, Any]) -> torch.Tensor:
+def frame_codes(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """A talker decode step's frame ``[G]``: its ``code`` (codebook 0) and ``codes`` (the rest,
+    from the code predictor). Raises nothing for well-formed steps."""
     code = torch.as_tensor(inputs["code"]).reshape(1).long()
     return torch.cat([code, torch.as_tensor(inputs["codes"]).reshape(-1).long()])
 
@@ -327,19 +373,18 @@ def _frame(inputs: Mapping[str, Any]) -> torch.Tensor:
 def predictor_ops(predictor: CodePredictor) -> dict[str, EmbedsOp]:
     """The code predictor engine's ops; each frame is a fresh sequence.
 
-    - ``prefill``: ``context`` (``[2, hidden]``: talker hidden, codebook-0 embedding),
+    - ``prefill``: ``context`` (``[2, talker hidden]``: talker hidden, codebook-0 embedding),
       ``sampling`` -> ``code`` (codebook 1), ``codes`` (``[1]``).
     - ``decode``: ``code`` (codebook g), ``codes`` (``[g]``) -> ``code`` (codebook g+1),
       ``codes`` (``[g+1]``).
     """
 
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        context: torch.Tensor = inputs["context"]
-        return context
+        return predictor.project(torch.as_tensor(inputs["context"]))
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
         group = int(torch.as_tensor(inputs["codes"]).numel())
-        return predictor.embed(group, int(inputs["code"]))[None]
+        return predictor.project(predictor.embed(group, int(inputs["code"]))[None])
 
     def done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]

@@ -37,13 +37,13 @@ from mstar_async.models.checkpoints.streaming import (
     load_weights,
 )
 from mstar_async.models.qwen3_omni.audio_encoder import AudioEncoder
-from mstar_async.models.qwen3_omni.code2wav import Code2Wav
+from mstar_async.models.qwen3_omni.code2wav import Code2Wav, FrameDecoder
 from mstar_async.models.qwen3_omni.config import OmniConfig
 from mstar_async.models.qwen3_omni.decoder import seeded_init
 from mstar_async.models.qwen3_omni.talker import CodePredictor, Talker
 from mstar_async.models.qwen3_omni.thinker import Thinker
 
-__all__ = ["SEEDED_RMS", "OmniWeights", "load_upstream", "upstream_layout"]
+__all__ = ["SEEDED_RMS", "OmniWeights", "load_upstream", "speak_softly", "upstream_layout"]
 
 P = TypeVar("P", bound=nn.Module)
 
@@ -133,16 +133,16 @@ def load_upstream(
 SEEDED_RMS = 0.1
 
 
-def _speak_softly(code2wav: Code2Wav, seed: int) -> None:
-    """Scale the seeded vocoder's last convolution so random codes come out at ``SEEDED_RMS``
-    (deterministic for the seed; real checkpoints are never touched)."""
-    cfg = code2wav.config
+def speak_softly(vocoder: FrameDecoder, seed: int) -> None:
+    """Scale a seeded vocoder's last convolution so random codes come out at ``SEEDED_RMS``
+    (deterministic for the seed; real checkpoints are never touched). Raises nothing."""
+    cfg = vocoder.config
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, 16), generator=generator)
-    last = code2wav.decoder[-1]
+    last = vocoder.decoder[-1]
     assert isinstance(last, nn.Module)
     with torch.no_grad():
-        rms = float(code2wav.unclamped(codes).pow(2).mean().sqrt())
+        rms = float(vocoder.unclamped(codes).pow(2).mean().sqrt())
         if rms > 0:
             for param in last.parameters():
                 param.mul_(SEEDED_RMS / rms)
@@ -297,7 +297,7 @@ class OmniWeights:
         skip = ("ln_post",) if isinstance(module, AudioEncoder) else ()
         seeded_init(module, self.config.seed + part.seed, skip=skip)
         if isinstance(module, Code2Wav):
-            _speak_softly(module, self.config.seed + part.seed)
+            speak_softly(module, self.config.seed + part.seed)
         module.to(device=self.device, dtype=self.dtype).eval()
         self._adopt_pieces(whole_name, module)
         return module.get_submodule(path) if path else module

@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mstar_async.models.hf_config import known_fields, lower_names
+from mstar_async.models.qwen3_omni.code2wav import Code2WavConfig
+from mstar_async.models.qwen3_omni.config import codec_ids
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config
 
 __all__ = ["SIZES", "SpeakerEncoderConfig", "SpeechDecoderConfig", "TTSConfig"]
@@ -33,69 +36,17 @@ class SpeakerEncoderConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> SpeakerEncoderConfig:
-        """Read upstream's dict; absent keys keep upstream's defaults."""
-        kwargs: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v
-            for k, v in config.items()
-            if k in cls.__dataclass_fields__
-        }
-        return cls(**kwargs)
+        """Read upstream's dict; absent keys keep upstream's defaults. Raises nothing."""
+        return cls(**known_fields(cls, config))
 
 
 @dataclass(frozen=True)
-class SpeechDecoderConfig:
-    """The 12 Hz tokenizer's decoder (upstream ``decoder_config`` field names)."""
+class SpeechDecoderConfig(Code2WavConfig):
+    """The 12 Hz tokenizer's decoder (upstream ``decoder_config`` field names): code2wav's
+    sizes, and its quantizer's vector width and the latent width around the transformer."""
 
-    codebook_size: int = 2048
     codebook_dim: int = 512
-    hidden_size: int = 1024
     latent_dim: int = 1024
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    sliding_window: int = 72
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10_000.0
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
-
-    @property
-    def total_upsample(self) -> int:
-        """PCM samples per frame."""
-        out = 1
-        for r in self.upsample_rates + self.upsampling_ratios:
-            out *= r
-        return out
-
-    def transformer(self) -> Qwen3Config:
-        """The ``pre_transformer`` as a decoder stack shape."""
-        return Qwen3Config(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-        )
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> SpeechDecoderConfig:
-        """Read upstream's ``decoder_config`` dict; absent keys keep upstream's defaults."""
-        kwargs: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v
-            for k, v in config.items()
-            if k in cls.__dataclass_fields__
-        }
-        rope = config.get("rope_parameters") or {}
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = float(rope["rope_theta"])
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -187,17 +138,10 @@ class TTSConfig:
             text_vocab=int(talker.get("text_vocab_size", 151936)),
             text_hidden_size=int(talker.get("text_hidden_size", 2048)),
             num_code_groups=groups,
-            codec_pad=int(talker.get("codec_pad_id", 4196)),
-            codec_bos=int(talker.get("codec_bos_id", 4197)),
-            codec_eos=int(talker.get("codec_eos_token_id", 4198)),
+            **codec_ids(talker),
             codec_think=int(talker.get("codec_think_id", 4202)),
-            codec_nothink=int(talker.get("codec_nothink_id", 4203)),
-            codec_think_bos=int(talker.get("codec_think_bos_id", 4204)),
-            codec_think_eos=int(talker.get("codec_think_eos_id", 4205)),
-            speakers=tuple((k.lower(), int(v)) for k, v in (talker.get("spk_id") or {}).items()),
-            languages=tuple(
-                (k.lower(), int(v)) for k, v in (talker.get("codec_language_id") or {}).items()
-            ),
+            speakers=lower_names(talker.get("spk_id")),
+            languages=lower_names(talker.get("codec_language_id")),
             tts_bos=config.get("tts_bos_token_id"),
             tts_eos=config.get("tts_eos_token_id"),
             tts_pad=config.get("tts_pad_token_id"),

@@ -21,7 +21,6 @@ in front of the generated ones.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -33,23 +32,27 @@ from mstar_async.engines import StatelessEngine
 from mstar_async.engines.kv.cache import capacity_tokens
 from mstar_async.graph import (
     ContextLimit,
-    DynamicLoop,
     Edge,
-    Loop,
-    LoopStep,
     Model,
     Node,
     Sequential,
     Walk,
     stream,
 )
-from mstar_async.models.checkpoints import ChatTokenizer, CheckpointError, smollm2_folder
+from mstar_async.models.checkpoints import ChatTokenizer, read_config, smollm2_folder
 from mstar_async.models.dtypes import DTYPES
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
+from mstar_async.models.qwen3_omni.frame_loop import (
+    frame_edges,
+    frame_loop,
+    predictor_nodes,
+    stack_engine,
+)
+from mstar_async.models.qwen3_omni.talker import predictor_ops
 from mstar_async.models.qwen3_tts.config import SAMPLE_RATE, SIZES, TTSConfig
 from mstar_async.models.qwen3_tts.program import make_program
 from mstar_async.models.qwen3_tts.prompt import PromptIds
-from mstar_async.models.qwen3_tts.talker import TalkerIds, predictor_ops, talker_ops
+from mstar_async.models.qwen3_tts.talker import TalkerIds, talker_ops
 from mstar_async.models.qwen3_tts.weights import TTSWeights
 from mstar_async.models.registry import register
 from mstar_async.policies import LeftContextChunkPolicy
@@ -80,43 +83,18 @@ def prompt_ids(cfg: TTSConfig, tokenizer: ChatTokenizer) -> PromptIds:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: put the model's file there") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot parse {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
-
-
 # ------------------------------------------------------------------------------ engines
 
 
 def _talker_engine(weights: TTSWeights, ids: TalkerIds, kv: int) -> EmbedsKVEngine:
-    cfg, talker = weights.config, weights.talker()
-    return EmbedsKVEngine(
-        talker.model,
-        cfg.talker.attention_spec(weights.dtype),
-        talker_ops(talker, ids),
-        num_layers=cfg.talker.num_hidden_layers,
-        kv_cache_bytes=kv,
-        device=weights.device,
-    )
+    talker = weights.talker()
+    return stack_engine(talker.model, weights.config.talker, talker_ops(talker, ids), kv, weights)
 
 
 def _predictor_engine(weights: TTSWeights, kv: int) -> EmbedsKVEngine:
-    cfg, predictor = weights.config, weights.talker().code_predictor
-    return EmbedsKVEngine(
-        predictor.model,
-        cfg.predictor.attention_spec(weights.dtype),
-        predictor_ops(predictor),
-        num_layers=cfg.predictor.num_hidden_layers,
-        kv_cache_bytes=kv,
-        device=weights.device,
-    )
+    predictor = weights.talker().code_predictor
+    ops = predictor_ops(predictor)
+    return stack_engine(predictor.model, weights.config.predictor, ops, kv, weights)
 
 
 def _decoder_engine(weights: TTSWeights, left_context: int) -> StatelessEngine:
@@ -148,15 +126,6 @@ def _voice_engine(weights: TTSWeights) -> StatelessEngine:
 # ------------------------------------------------------------------------------ graph
 
 
-def _frames_done(codec_eos: int) -> Callable[[LoopStep], bool]:
-    def until(step: LoopStep) -> bool:
-        if step.iteration + 1 >= int(step.params["max_frames"]):
-            return True
-        return int(step.outputs["talker.code"]) == codec_eos
-
-    return until
-
-
 def _nodes() -> list[Node]:
     return [
         Node(
@@ -171,28 +140,15 @@ def _nodes() -> list[Node]:
             engine="talker",
             op="prefill",
             inputs=["layout", "speaker", "sampling"],
-            outputs=["code", "context", "step"],
+            outputs=["code", "context", "history"],
         ),
-        Node(
-            "predictor_prefill",
-            engine="predictor",
-            op="prefill",
-            inputs=["context", "sampling"],
-            outputs=["code", "codes"],
-        ),
-        Node(
-            "predictor",
-            engine="predictor",
-            op="decode",
-            inputs=["code", "codes"],
-            outputs=["code", "codes"],
-        ),
+        *predictor_nodes(),
         Node(
             "talker",
             engine="talker",
             op="decode",
-            inputs=["code", "codes", "trailing", "step"],
-            outputs=["frame", "code", "context", "step"],
+            inputs=["code", "codes", "trailing", "history"],
+            outputs=["frame", "code", "context", "history"],
         ),
         Node("decoder", engine="decoder", op="decode", inputs=["codes", "prime"], outputs=["pcm"]),
     ]
@@ -200,31 +156,18 @@ def _nodes() -> list[Node]:
 
 def _edges(chunk: int, left_context: int) -> list[Any]:
     return [
-        Edge("talker_prefill.context", "predictor_prefill.context"),
-        Edge("talker_prefill.code", "talker.code"),
-        Edge("talker_prefill.step", "talker.step"),
-        Edge("predictor_prefill.code", "predictor.code"),
-        Edge("predictor_prefill.codes", "predictor.codes"),
-        Edge("predictor.codes", "talker.codes"),
+        *frame_edges(),
+        Edge("talker_prefill.history", "talker.history"),
         stream("talker.frame", "decoder.codes", LeftContextChunkPolicy(chunk, left_context)),
     ]
 
 
 def _walks(cfg: TTSConfig, max_iterations: int) -> list[Walk]:
-    residual = Loop(
-        "predictor",
-        iterations=cfg.num_code_groups - 2,
-        carry={"predictor.code": "predictor.code", "predictor.codes": "predictor.codes"},
-    )
-    frames = DynamicLoop(
-        Sequential("predictor_prefill", residual, "talker"),
-        until=_frames_done(cfg.codec_eos),
-        max_iterations=max_iterations,
-        carry={
-            "talker.context": "predictor_prefill.context",
-            "talker.code": "talker.code",
-            "talker.step": "talker.step",
-        },
+    frames = frame_loop(
+        cfg.num_code_groups,
+        cfg.codec_eos,
+        max_iterations,
+        carry={"talker.history": "talker.history"},
     )
     return [
         Walk(
@@ -299,10 +242,7 @@ def build_qwen3_tts(
         cfg = seeded_config(size, seed, tokenizer)
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
-        cfg = TTSConfig.from_hf(
-            _read_json(folder / "config.json"),
-            _read_json(folder / "speech_tokenizer" / "config.json"),
-        )
+        cfg = TTSConfig.from_hf(read_config(folder), read_config(folder / "speech_tokenizer"))
     ids = prompt_ids(cfg, tokenizer)
     talker_ids = TalkerIds(cfg.codebook_size, cfg.codec_eos, ids.tts_pad)
     torch_dtype = DTYPES[dtype]

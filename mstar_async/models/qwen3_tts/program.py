@@ -6,6 +6,10 @@ instruction may also accompany a speaker), or a cloned voice (Base): ``voice`` (
 ``VoicePrompt`` computed once, e.g. by the voice registry) or ``ref_audio`` (24 kHz mono PCM,
 encoded for this request only) with its ``ref_text``. ``encode_only`` runs just the encoders
 and yields the ``VoicePrompt``, which is how a voice is registered.
+
+Sampling is upstream's: ``temperature`` / ``top_k`` / ``top_p`` and ``repetition_penalty``
+(over the codebook-0 codes of the frames spoken so far) for the talker, ``subtalker_*`` for
+the code predictor. A value out of range fails the request with ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ from mstar_async.models.qwen3_tts.prompt import SPEAKER, PromptIds, TalkerPrompt
 from mstar_async.models.qwen3_tts.voice import VoicePrompt
 from mstar_async.outputs import AudioChunk, LatentOutput
 
-__all__ = ["make_program"]
+__all__ = ["REPETITION_PENALTY", "make_program"]
 
 _ROLE = "<|im_start|>assistant\n"
 _END = "<|im_end|>\n"
 #: Frames a request may speak by default: upstream's 12.5 Hz leaves a few frames per token.
 _FRAMES_PER_TOKEN = 8
 _MAX_DEFAULT_FRAMES = 2048
+#: Upstream's default penalty on the talker's codebook-0 codes already spoken (the code
+#: predictor has none).
+REPETITION_PENALTY = 1.05
 
 
 def chat_ids(tokenizer: ChatTokenizer, text: str, tail: str) -> tuple[list[int], list[int]]:
@@ -125,11 +132,26 @@ def make_program(
         temperature: float = 0.9,
         top_k: int = 50,
         top_p: float = 1.0,
+        repetition_penalty: float = REPETITION_PENALTY,
         subtalker_temperature: float = 0.9,
         subtalker_top_k: int = 50,
         subtalker_top_p: float = 1.0,
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
+        # Checked first: a bad value fails before any audio is encoded.
+        talker_sampling = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            repetition_penalty=repetition_penalty,
+        )
+        predictor_sampling = SamplingParams(
+            temperature=subtalker_temperature,
+            top_k=subtalker_top_k,
+            top_p=subtalker_top_p,
+            seed=seed + 1,
+        )
         if ref_audio is not None:
             if voice is not None:
                 raise ValueError("give either voice or ref_audio, not both")
@@ -170,15 +192,6 @@ def make_program(
             raise ValueError(f"max_tokens must be >= 0 (0: automatic), got {max_tokens}")
         cap = max_tokens or min(
             _MAX_DEFAULT_FRAMES, _FRAMES_PER_TOKEN * (prompt.trailing.numel() + 8)
-        )
-        talker_sampling = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
-        )
-        predictor_sampling = SamplingParams(
-            temperature=subtalker_temperature,
-            top_k=subtalker_top_k,
-            top_p=subtalker_top_p,
-            seed=seed + 1,
         )
         embedding = voice.speaker if voice is not None else torch.zeros(0)
         await request.run(

@@ -11,7 +11,8 @@ code 0]``, brought to its width by ``small_to_mtp_projection``, and predicts cod
 back, at the talker's width). The talker's next input is the sum of the frame's ``G``
 codebook embeddings plus the next trailing text row (``tts_pad`` once the text is fed).
 
-Shared with Qwen3-Omni: the decoder stack, the resize MLP and the embeds-fed KV engine.
+Shared with Qwen3-Omni: the decoder stack, the resize MLP, the code predictor and its ops,
+upstream's codebook-0 rule and the embeds-fed KV engine.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ from torch import nn
 from mstar_async.errors import EngineError
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
-from mstar_async.models.qwen3_omni.talker import ResizeMLP
+from mstar_async.models.qwen3_omni.talker import (
+    CodePredictor,
+    ResizeMLP,
+    frame_codes,
+    sample_code0,
+)
 from mstar_async.models.qwen3_tts.prompt import SPEAKER
 
-__all__ = ["CodePredictor", "TTSTalker", "TalkerIds", "predictor_ops", "talker_ops"]
+__all__ = ["TTSTalker", "TalkerIds", "talker_ops"]
 
 
 @dataclass(frozen=True)
@@ -42,39 +48,6 @@ class TalkerIds:
     tts_pad: int
     #: Frames before which end-of-speech is never sampled (upstream's ``min_new_tokens``).
     min_frames: int = 2
-
-
-class CodePredictor(nn.Module):
-    """Upstream ``talker.code_predictor``: ``model.{layers,norm,codec_embedding.{g}}``,
-    ``lm_head.{g}`` and ``small_to_mtp_projection`` (absent when the widths are equal)."""
-
-    def __init__(self, cfg: Qwen3Config, *, vocab: int, groups: int, talker_hidden: int) -> None:
-        super().__init__()
-        self.model = Qwen3Stack(cfg)
-        self.model.codec_embedding = nn.ModuleList(
-            nn.Embedding(vocab, talker_hidden) for _ in range(groups - 1)
-        )
-        self.lm_head = nn.ModuleList(
-            nn.Linear(cfg.hidden_size, vocab, bias=False) for _ in range(groups - 1)
-        )
-        self.small_to_mtp_projection: nn.Module = (
-            nn.Identity()
-            if cfg.hidden_size == talker_hidden
-            else nn.Linear(talker_hidden, cfg.hidden_size, bias=True)
-        )
-
-    def table(self, group: int) -> nn.Embedding:
-        """Embedding table of residual codebook ``group`` (1-based), at the talker's width."""
-        tables = self.model.codec_embedding
-        assert isinstance(tables, nn.ModuleList)
-        table = tables[group - 1]
-        assert isinstance(table, nn.Embedding)
-        return table
-
-    def project(self, rows: torch.Tensor) -> torch.Tensor:
-        """Talker-width rows -> the predictor's width."""
-        out: torch.Tensor = self.small_to_mtp_projection(rows)
-        return out
 
 
 class TTSTalker(nn.Module):
@@ -100,7 +73,7 @@ class TTSTalker(nn.Module):
         self.text_projection = ResizeMLP(text_hidden, text_hidden, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.code_predictor = CodePredictor(
-            predictor, vocab=codebook_size, groups=groups, talker_hidden=cfg.hidden_size
+            predictor, codebook_size, groups, talker_hidden=cfg.hidden_size
         )
 
     @property
@@ -155,30 +128,26 @@ class TTSTalker(nn.Module):
         return rows
 
 
-def _code0(
-    talker: TTSTalker, ids: TalkerIds, hidden: torch.Tensor, sampler: Sampler, frame: int
-) -> int:
-    logits = talker.codec_head(hidden).float()
-    # As upstream: the codec specials above the codebook are suppressed, except the end of
-    # speech, which is itself suppressed for the first ``min_frames`` frames.
-    eos = logits[ids.codec_eos].clone()
-    logits[ids.codebook_size :] = float("-inf")
-    if frame >= ids.min_frames:
-        logits[ids.codec_eos] = eos
-    return sampler.sample(logits)
-
-
 def _next(
-    talker: TTSTalker, ids: TalkerIds, hidden: torch.Tensor, sampler: Sampler, frame: int
+    talker: TTSTalker, ids: TalkerIds, hidden: torch.Tensor, sampler: Sampler, seen: torch.Tensor
 ) -> dict[str, Any]:
-    code = _code0(talker, ids, hidden, sampler, frame)
+    """The next frame's codebook 0 after the codebook-0 codes ``seen`` so far (its index is
+    their count), the code predictor's first rows for it, and ``seen`` with it."""
+    code = sample_code0(
+        talker.codec_head(hidden),
+        sampler,
+        codebook_size=ids.codebook_size,
+        codec_eos=ids.codec_eos,
+        eos_allowed=seen.numel() >= ids.min_frames,
+        seen=seen,
+    )
     context = torch.stack([hidden, talker.codec_embedding.weight[code]])
-    return {"code": torch.tensor(code), "context": context, "step": torch.tensor(frame)}
+    spoken = torch.cat([seen, torch.tensor([code])])
+    return {"code": torch.tensor(code), "context": context, "history": spoken}
 
 
-def _frame(inputs: Mapping[str, Any]) -> torch.Tensor:
-    code = torch.as_tensor(inputs["code"]).reshape(1).long()
-    return torch.cat([code, torch.as_tensor(inputs["codes"]).reshape(-1).long()])
+def _history(inputs: Mapping[str, Any]) -> torch.Tensor:
+    return torch.as_tensor(inputs["history"]).reshape(-1).long()
 
 
 def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
@@ -186,10 +155,11 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
 
     - ``prefill``: ``layout`` (``prompt.lay_out``), ``speaker`` (the voice's embedding or an
       empty tensor), ``sampling`` -> ``code`` (codebook 0 of frame 0), ``context`` (``[2,
-      hidden]``: the code predictor's first rows), ``step`` (0).
+      hidden]``: the code predictor's first rows), ``history`` (``[1]``).
     - ``decode``: ``code`` and ``codes`` (this frame), ``trailing`` (text ids fed per frame),
-      ``step`` (this frame's index) -> ``frame`` (``[G]``), and ``code``, ``context``,
-      ``step`` for the next frame.
+      ``history`` (codebook 0 of every frame so far, this one last: upstream's generated ids,
+      which its repetition penalty reads) -> ``frame`` (``[G]``), and ``code``, ``context``,
+      ``history`` for the next frame.
     """
 
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -199,22 +169,23 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
         return talker.prompt_rows(torch.as_tensor(inputs["layout"]), speaker)
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        step = int(inputs["step"])
+        step = _history(inputs).numel() - 1
         trailing = torch.as_tensor(inputs["trailing"]).reshape(-1)
         text = int(trailing[step]) if step < trailing.numel() else ids.tts_pad
-        row = talker.frame_rows(_frame(inputs)[None]) + talker.text_rows(torch.tensor([text]))
+        row = talker.frame_rows(frame_codes(inputs)[None]) + talker.text_rows(torch.tensor([text]))
         return row
 
     def prefill_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
-        return [_next(talker, ids, h, s, 0) for h, s in zip(hidden, samplers, strict=True)]
+        none = torch.zeros(0, dtype=torch.long)
+        return [_next(talker, ids, h, s, none) for h, s in zip(hidden, samplers, strict=True)]
 
     def decode_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
         return [
-            {**_next(talker, ids, h, s, int(inputs["step"]) + 1), "frame": _frame(inputs)}
+            {**_next(talker, ids, h, s, _history(inputs)), "frame": frame_codes(inputs)}
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
@@ -223,38 +194,4 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
             prefill_rows, prefill_done, cost=lambda i: int(torch.as_tensor(i["layout"]).shape[0])
         ),
         "decode": EmbedsOp(decode_rows, decode_done),
-    }
-
-
-def predictor_ops(predictor: CodePredictor) -> dict[str, EmbedsOp]:
-    """The code predictor engine's ops; each frame is a fresh sequence.
-
-    - ``prefill``: ``context`` (``[2, talker hidden]``), ``sampling`` -> ``code`` (codebook 1),
-      ``codes`` (``[1]``).
-    - ``decode``: ``code`` (codebook g), ``codes`` (``[g]``) -> ``code`` (codebook g+1),
-      ``codes`` (``[g+1]``).
-    """
-
-    def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        return predictor.project(torch.as_tensor(inputs["context"]))
-
-    def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        group = int(torch.as_tensor(inputs["codes"]).numel())
-        table = predictor.table(group)
-        return predictor.project(table.weight[int(inputs["code"])][None])
-
-    def done(
-        hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
-    ) -> list[dict[str, Any]]:
-        out = []
-        for h, inputs, sampler in zip(hidden, batch, samplers, strict=True):
-            before = torch.as_tensor(inputs.get("codes", torch.zeros(0))).reshape(-1).long()
-            code = sampler.sample(predictor.lm_head[before.numel()](h))
-            codes = torch.cat([before, torch.tensor([code])])
-            out.append({"code": torch.tensor(code), "codes": codes})
-        return out
-
-    return {
-        "prefill": EmbedsOp(prefill_rows, done, fresh=True, cost=lambda i: 2),
-        "decode": EmbedsOp(decode_rows, done),
     }

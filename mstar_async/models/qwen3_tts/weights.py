@@ -23,7 +23,7 @@ from torch import nn
 from mstar_async.models.checkpoints import CheckpointError, SafetensorsFolder
 from mstar_async.models.checkpoints.streaming import TensorSource, empty_module
 from mstar_async.models.qwen3_omni.decoder import seeded_init
-from mstar_async.models.qwen3_omni.weights import SEEDED_RMS, load_upstream
+from mstar_async.models.qwen3_omni.weights import load_upstream, speak_softly
 from mstar_async.models.qwen3_tts.config import TTSConfig
 from mstar_async.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from mstar_async.models.qwen3_tts.speech_decoder import SpeechDecoder
@@ -58,21 +58,6 @@ def _seed_codebooks(module: nn.Module, seed: int) -> None:
                 tensor.normal_(0.0, 1.0, generator=gen)
             elif name.endswith("initialized"):
                 tensor.fill_(1.0)
-
-
-def _speak_softly(decoder: SpeechDecoder, seed: int) -> None:
-    """Scale the seeded decoder's last convolution so random codes come out at ``SEEDED_RMS``
-    (random weights otherwise clamp most samples: noise at full scale)."""
-    cfg = decoder.config
-    generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, 16), generator=generator)
-    last = decoder.decoder[-1]
-    assert isinstance(last, nn.Module)
-    with torch.no_grad():
-        rms = float(decoder.unclamped(codes).pow(2).mean().sqrt())
-        if rms > 0:
-            for param in last.parameters():
-                param.mul_(SEEDED_RMS / rms)
 
 
 class TTSWeights:
@@ -144,7 +129,7 @@ class TTSWeights:
             module = SpeechDecoder(cfg.decoder)
             seeded_init(module, cfg.seed + 2)
             _seed_codebooks(module, cfg.seed + 2)
-            _speak_softly(module, cfg.seed + 2)
+            speak_softly(module, cfg.seed + 2)
             return module.to(device=self.device, dtype=self.dtype).eval()
         module = empty_module(lambda: SpeechDecoder(cfg.decoder))
         source = SafetensorsFolder(self.folder / "speech_tokenizer")
