@@ -17,7 +17,8 @@ from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.code2wav import chunked_decode
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention
 from mstar_async.models.qwen3_omni.model import seeded_config, talker_tokens
-from mstar_async.models.qwen3_omni.talker import TalkerTokens, talker_prompt
+from mstar_async.models.qwen3_omni.talker import TTS_EOS, TTS_PAD, TalkerTokens, talker_prompt
+from mstar_async.models.qwen3_omni.thinker_engine import talker_rows, tts_rows
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.runtime import open_runtime
@@ -128,15 +129,21 @@ def _reference(
         logits[tokens.codec_eos] = talker.codec_head(h)[tokens.codec_eos]
         return int(logits.argmax())
 
-    rows = talker_prompt(talker, thinker.embed_tokens, tokens, torch.tensor(ids), text[0], speaker)
+    # The thinker's input embeddings, as upstream's talker reads them (hidden_states[0]).
+    table = thinker.embed_tokens.weight
+    tts = tts_rows(table, tokens)
+    prompt_rows = talker_rows(table, ids, tokens)
+    rows = talker_prompt(
+        talker, tokens, torch.tensor(ids), prompt_rows, table[text[0]], tts, speaker
+    )
     hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
     code = code0(hidden)
     frames: list[list[int]] = []
     # Upstream's trailing text: the tokens after the first, one per frame, tts_eos in place of
     # the last, then tts_pad.
-    feed = [*text[1:-1], tokens.tts_eos]
+    feed = [*(table[t] for t in text[1:-1]), tts[TTS_EOS]]
     while len(frames) < max_frames:
-        token = feed[len(frames)] if len(frames) < len(feed) else tokens.tts_pad
+        text_row = feed[len(frames)] if len(frames) < len(feed) else tts[TTS_PAD]
         cp_rows = [hidden, talker.model.codec_embedding.weight[code]]
         codes: list[int] = []
         for group in range(talker.groups - 1):
@@ -145,9 +152,7 @@ def _reference(
             cp_rows.append(predictor.embed(group + 1, codes[-1]))
         frame = [code, *codes]
         frames.append(frame)
-        row = talker.frame_embedding(torch.tensor(frame)) + talker.text_projection(
-            thinker.embed_tokens.weight[token]
-        )
+        row = talker.frame_embedding(torch.tensor(frame)) + talker.text_projection(text_row)
         rows = torch.cat([rows, row[None]])
         hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
         code = code0(hidden)
@@ -182,6 +187,38 @@ async def test_runtime_matches_a_dense_sequential_reference(tokenizer: ChatToken
     assert "".join(o.text for o in out if isinstance(o, TextDelta)) == tokenizer.decode(text)
     assert frames == want
     assert max_tokens - 1 < len(frames) <= max_frames  # the talker spoke on after the text
+
+
+def test_the_thinker_sends_its_rows_and_the_talker_refuses_rows_that_do_not_fit(
+    tokenizer: ChatTokenizer,
+) -> None:
+    from mstar_async.engines.base import Step
+    from mstar_async.errors import EngineError
+
+    parts, tokens = _parts(tokenizer)
+    table, talker = parts.thinker().embed_tokens.weight, parts.talker()
+    thinker = _model().components["thinker"]()
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    prompts = [torch.tensor(tokenizer.encode(text)) for text in (chat, PROMPT)]
+    spoken, plain = (
+        thinker.forward([Step(f"r{i}", "prefill", {"tokens": p})])[0] for i, p in enumerate(prompts)
+    )
+    assert isinstance(spoken, dict) and isinstance(plain, dict)
+    # The rows of the user turn and the header, of the sampled token, of the tts specials.
+    assert torch.equal(spoken["rows"], talker_rows(table, prompts[0], tokens))
+    assert torch.equal(spoken["row"], table[spoken["token"]])
+    assert torch.equal(spoken["tts"], tts_rows(table, tokens))
+    decoded = thinker.forward([Step("r0", "decode", {"token": spoken["token"]})])[0]
+    assert isinstance(decoded, dict) and torch.equal(decoded["row"], table[decoded["token"]])
+    # A prompt without an assistant header is answered, and only the talker refuses it.
+    assert plain["rows"] is None and plain["token"].numel() == 1
+    speaker = tokens.speakers["ethan"]
+    with pytest.raises(EngineError, match="assistant header"):
+        talker_prompt(talker, tokens, prompts[1], None, plain["row"], plain["tts"], speaker)
+    with pytest.raises(EngineError, match="embedding rows at"):
+        talker_prompt(
+            talker, tokens, prompts[0], spoken["rows"][1:], spoken["row"], spoken["tts"], speaker
+        )
 
 
 async def test_text_only_request_makes_the_same_text_and_no_audio() -> None:

@@ -31,6 +31,7 @@ from mstar_async.models.qwen3_omni.audio_prompt import audio_tokens, build_promp
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, seeded_init
 from mstar_async.models.qwen3_omni.model import talker_tokens
 from mstar_async.models.qwen3_omni.talker import talker_prompt
+from mstar_async.models.qwen3_omni.thinker_engine import talker_rows, tts_rows
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.outputs import EncodedAudio, TextDelta
 from mstar_async.runtime import open_runtime
@@ -252,26 +253,17 @@ def test_the_talker_reads_audio_positions_through_the_thinkers_hidden_rows_as_up
             for p in range(s, e)
         ]
         speaker = next(iter(tokens.speakers.values()))
-        ours = talker_prompt(
-            weights.talker(),
-            weights.thinker_embedding(),
-            tokens,
-            torch.tensor(prompt.ids),
-            5,
-            speaker,
-            heard,
-        )
+        # What the thinker's engine sends: its embedding rows of the user turns' text and the
+        # header (not of the audio placeholders), of the first token and of the tts specials.
+        table = thinker.embed_tokens.weight
+        text = talker_rows(table, prompt.ids, tokens)
+        assert text is not None and text.shape[0] == len(prompt.ids) - len(at) - user[0]
+        spoken = (torch.tensor(prompt.ids), text, table[5], tts_rows(table, tokens), speaker)
+        ours = talker_prompt(weights.talker(), tokens, *spoken, heard)
     torch.testing.assert_close(ours[: len(user)], whole[user], atol=1e-5, rtol=1e-5)
     # Without the thinker's rows the prompt is refused, not silently read as text.
     with pytest.raises(EngineError, match="audio positions"):
-        talker_prompt(
-            weights.talker(),
-            weights.thinker_embedding(),
-            tokens,
-            torch.tensor(prompt.ids),
-            5,
-            speaker,
-        )
+        talker_prompt(weights.talker(), tokens, *spoken)
 
 
 @pytest.mark.anyio

@@ -1,14 +1,15 @@
 """Loading qwen3-omni from a 256 MB checkpoint in the released layout, per rank: a rank's peak
-memory stays near its own weights, it reads only its parts' tensors, and its parts live as long
-as its engines."""
+memory stays near its own weights, it reads only its parts' tensors (a talker rank none of the
+thinker's), and its parts live as long as its engines."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from safetensors import safe_open
 from mstar_async.bench.load import measure_in_child
 from mstar_async.bench.omni_folder import OmniFolder, write_omni_folder
 from mstar_async.models import build_model
-from mstar_async.models.checkpoints import read_config
+from mstar_async.models.checkpoints import SafetensorsFolder, read_config
 from mstar_async.models.qwen3_omni.config import OmniConfig
 from mstar_async.models.qwen3_omni.thinker import Thinker
 from mstar_async.models.qwen3_omni.weights import OmniWeights
@@ -28,7 +29,6 @@ pytestmark = [
 ]
 
 MB = 2**20
-EMBED = "thinker.model.embed_tokens.weight"
 EVERY_PART = ("thinker.model.", "thinker.lm_head.", "talker.", "code2wav.")  # not the towers
 
 
@@ -61,7 +61,7 @@ def _stored(folder: OmniFolder, name: str) -> torch.Tensor:
     ("engines", "prefixes"),
     [
         (["thinker", "talker", "predictor", "code2wav"], EVERY_PART),
-        (["talker", "predictor"], ("talker.", EMBED)),
+        (["talker", "predictor"], ("talker.",)),
     ],
     ids=["every-engine", "talker-rank"],
 )
@@ -76,42 +76,63 @@ def test_a_rank_peaks_within_its_own_weights(
     assert weights <= growth <= bound, (weights / MB, growth / MB)
 
 
-def test_a_talker_rank_reads_its_parts_and_only_the_thinkers_embedding(folder: OmniFolder) -> None:
-    weights = _weights(folder)
-    talker, predictor = weights.talker(), weights.code_predictor()
-    embedding = weights.thinker_embedding()
-    assert predictor is talker.code_predictor
-    assert [part for part, _ in weights.loads] == ["talker", "thinker_embedding"]
-    read = [name for _, stats in weights.loads for name in stats.names]
-    assert sorted(read) == sorted([*(n for n in folder.sizes if n.startswith("talker.")), EMBED])
-    assert sum(stats.bytes for _, stats in weights.loads) == folder.bytes_under("talker.", EMBED)
-    assert torch.equal(embedding.weight, _stored(folder, EMBED))
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Bytes read from the checkpoint's files from now on, by tensor name."""
+    read: dict[str, int] = {}
+    original = SafetensorsFolder.read
+
+    def recording(
+        self: SafetensorsFolder, names: Sequence[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in original(self, names):
+            read[name] = read.get(name, 0) + tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    monkeypatch.setattr(SafetensorsFolder, "read", recording)
+    return read
+
+
+def test_a_talker_rank_reads_its_parts_and_none_of_the_thinkers_tensors(
+    folder: OmniFolder, reads: dict[str, int]
+) -> None:
+    model = build_model("qwen3-omni", path=folder.path, dtype="bfloat16", kv_cache_bytes=MB)
+    engines = [model.components[name]() for name in ("talker", "predictor")]
+    thinker_bytes = sum(n for name, n in reads.items() if name.startswith("thinker."))
+    print(f"talker rank: {sum(reads.values()) / MB:.1f} MB read, {thinker_bytes} of the thinker")
+    assert thinker_bytes == 0
+    assert sorted(reads) == sorted(n for n in folder.sizes if n.startswith("talker."))
+    assert sum(reads.values()) == folder.bytes_under("talker.")
+    factory = model.components["talker"]
+    assert isinstance(factory, functools.partial)
+    weights: OmniWeights = factory.args[0]  # the model's parts
+    talker = weights.talker()  # the engines' live talker: nothing is read again
+    assert weights.code_predictor() is talker.code_predictor
+    assert [part for part, _ in weights.loads] == ["talker"]
     stack = talker.model.layers[1].mlp.experts.gate_up_proj
     assert stack.dtype == torch.bfloat16 and not stack.requires_grad
     half = stack.shape[1] // 2
     gate = _stored(folder, "talker.model.layers.1.mlp.experts.3.gate_proj.weight")
     up = _stored(folder, "talker.model.layers.1.mlp.experts.3.up_proj.weight")
     assert torch.equal(stack[3, :half], gate) and torch.equal(stack[3, half:], up)
+    del engines
 
 
 def test_a_part_is_shared_while_held_and_freed_with_its_holders(folder: OmniFolder) -> None:
     weights = _weights(folder)
-    embedding = weights.thinker_embedding()
-    thinker = weights.thinker()  # takes the live table: its tensor is not read again
-    assert thinker.embed_tokens is embedding
-    (_, table), (_, rest) = weights.loads
-    assert table.names == (EMBED,) and EMBED not in rest.names
-    assert weights.thinker_embedding() is embedding
-    gone = weakref.ref(thinker)
-    del thinker, embedding
+    predictor = weights.code_predictor()
+    talker = weights.talker()  # takes the live predictor: its tensors are not read again
+    assert talker.code_predictor is predictor
+    (_, alone), (_, rest) = weights.loads
+    assert alone.names and all(n.startswith("talker.code_predictor.") for n in alone.names)
+    assert not any(n.startswith("talker.code_predictor.") for n in rest.names)
+    assert weights.code_predictor() is predictor
+    gone = weakref.ref(talker)
+    del talker, predictor
     gc.collect()
     assert gone() is None
-    weights.thinker_embedding()
-    assert [part for part, _ in weights.loads] == [
-        "thinker_embedding",
-        "thinker",
-        "thinker_embedding",
-    ]
+    weights.code_predictor()
+    assert [part for part, _ in weights.loads] == ["code_predictor", "talker", "code_predictor"]
 
 
 def _thinkers() -> int:

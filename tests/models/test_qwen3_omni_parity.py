@@ -6,6 +6,7 @@ ours by upstream names (strictly), and both run the same inputs in float32.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,15 +16,19 @@ import anyio
 import pytest
 import torch
 
+from mstar_async.engines.base import Step
+from mstar_async.graph import StreamEnd
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.checkpoints.streaming import StateDictSource, empty_module
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, Qwen3Config, seeded_init
-from mstar_async.models.qwen3_omni.talker import Talker
+from mstar_async.models.qwen3_omni.model import talker_tokens
+from mstar_async.models.qwen3_omni.talker import Talker, talker_prompt, text_row
 from mstar_async.models.qwen3_omni.thinker import Thinker
-from mstar_async.models.qwen3_omni.weights import load_upstream
+from mstar_async.models.qwen3_omni.weights import OmniWeights, load_upstream
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
+from mstar_async.policies import LeftContextChunkPolicy
 from mstar_async.runtime import open_runtime
 
 hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe")
@@ -293,7 +298,7 @@ def _omni_config() -> Any:
             "code_predictor_config": predictor,
             "num_code_groups": 4,
             "thinker_hidden_size": 32,
-            "speaker_id": {"Ethan": 70},
+            "speaker_id": {"ethan": 70},  # lower case, as released
             "spatial_merge_size": 2,
             **codec,
         },
@@ -361,3 +366,79 @@ async def test_checkpoint_folder_text_and_audio_match_upstream(
         )
     # Six upsampling stages (1920x) of float32 convolutions: a few samples differ by ~5e-4.
     torch.testing.assert_close(pcm, want.reshape(-1), atol=2e-3, rtol=1e-3)
+
+
+class _TalkerCalled(Exception):
+    """Upstream's generate got as far as calling its talker."""
+
+
+def test_the_talker_is_fed_upstreams_inputs_from_the_thinker_engines_rows(
+    omni_folder: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream, folder = omni_folder
+    tokenizer = ChatTokenizer.from_folder(folder)
+    model = build_model("qwen3-omni", path=folder)
+    factory = model.components["talker"]
+    assert isinstance(factory, functools.partial)
+    weights: OmniWeights = factory.args[0]  # the model's parts
+    tokens = talker_tokens(weights.config, tokenizer)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]))
+    # Upstream takes the assistant header to be three tokens, as Qwen's tokenizer makes it;
+    # SmolLM2's splits "assistant" in two: keep its first piece.
+    assert ids[-3] == tokens.assistant
+    ids = [*ids[:-2], ids[-1]]
+    new = 6
+    # Ours: what the thinker's engine hands the talker, greedy, as the walks carry it.
+    thinker = model.components["thinker"]()
+    made = thinker.forward([Step("r", "prefill", {"tokens": torch.tensor(ids)})])
+    for _ in range(new - 1):
+        made += thinker.forward([Step("r", "decode", {"token": made[-1]["token"]})])
+    prefill = made[0]
+    assert prefill["rows"].shape[0] < len(ids)  # the system turn's rows stay on its rank
+    policy = LeftContextChunkPolicy(1, 0, lookahead=1)
+    chunks = [c for out in made[1:] for c in policy.push(out["row"][None])] + policy.close()
+    # Upstream's: the inputs its generate gives the talker, from the thinker's hidden states.
+    roles = {"im_start": tokens.im_start, "user": tokens.user, "assistant": tokens.assistant}
+    for name, value in roles.items():  # upstream's defaults are Qwen's ids, not SmolLM2's
+        monkeypatch.setattr(upstream.config, f"{name}_token_id", value)
+    # transformers 5.24's thinker generate reads an id its config lacks (unused without video),
+    # and its hidden state after accept_hidden_layer layers (used at audio positions only; the
+    # default, 18, is past the tiny thinker's 2).
+    vision_start = upstream.config.talker_config.vision_start_token_id
+    monkeypatch.setattr(
+        upstream.thinker.config, "vision_start_token_id", vision_start, raising=False
+    )
+    monkeypatch.setattr(upstream.config.talker_config, "accept_hidden_layer", 1)
+    fed: dict[str, Any] = {}
+
+    def talker_generate(**kwargs: Any) -> None:
+        fed.update(kwargs)
+        raise _TalkerCalled
+
+    monkeypatch.setattr(upstream.talker, "generate", talker_generate)
+    with torch.no_grad(), pytest.raises(_TalkerCalled):
+        upstream.generate(
+            input_ids=torch.tensor([ids]),
+            speaker="ethan",
+            thinker_max_new_tokens=new,
+            thinker_do_sample=False,
+        )
+    talker = weights.talker()
+    speaker = tokens.speakers["ethan"]
+    with torch.no_grad():
+        prompt = talker_prompt(
+            talker,
+            tokens,
+            torch.tensor(ids),
+            prefill["rows"],
+            prefill["row"],
+            prefill["tts"],
+            speaker,
+        )
+        trailing = torch.stack([text_row(talker, prefill["tts"], chunk) for chunk in chunks])
+        pad = text_row(talker, prefill["tts"], StreamEnd())
+    torch.testing.assert_close(prompt, fed["inputs_embeds"][0], atol=1e-5, rtol=1e-5)
+    # One text row per frame: tokens 2 .. new - 1, then tts_eos in place of the last; then pad.
+    assert trailing.shape[0] == new - 1
+    torch.testing.assert_close(trailing, fed["trailing_text_hidden"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pad, fed["tts_pad_embed"][0, 0], atol=1e-5, rtol=1e-5)

@@ -3,7 +3,8 @@
 Graph (engines in brackets)::
 
     thinker_prefill [thinker] --token--> thinker [thinker]  (DynamicLoop: text decode)
-                                            |  stream, LeftContextChunkPolicy(1, 0, lookahead=1)
+                                            |  stream of each token's embedding row,
+                                            |  LeftContextChunkPolicy(1, 0, lookahead=1)
                                             v
     talker_prefill [talker] --> ( predictor_prefill [predictor]
                                   -> Loop(predictor [predictor], G-2)   codebooks 1..G-1
@@ -21,6 +22,9 @@ Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (tal
 ``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``). The
 talker's loop reads the thinker's tokens one per frame and goes on after they end, with
 ``tts_pad`` rows until codec end-of-speech, so code2wav sees one uninterrupted grid of windows.
+The talker gets the thinker's input embedding rows (of the prompt, the first token, each streamed
+token and the tts specials) from the thinker's engine, never token ids to look up, so its rank
+reads none of the thinker's weights (``thinker_engine``).
 The request program yields text deltas as the thinker makes tokens and audio chunks as code2wav
 finishes windows, interleaved.
 """
@@ -38,7 +42,6 @@ import torch
 
 from mstar_async.engines import StatelessEngine
 from mstar_async.engines.kv.cache import capacity_tokens
-from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.graph import (
     ContextLimit,
@@ -87,6 +90,7 @@ from mstar_async.models.qwen3_omni.frame_loop import (
     stack_engine,
 )
 from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
+from mstar_async.models.qwen3_omni.thinker_engine import ThinkerEngine
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
@@ -155,11 +159,12 @@ def seeded_config(size: str, seed: int, tokenizer: ChatTokenizer) -> OmniConfig:
 # ------------------------------------------------------------------------------ engines
 
 
-def _thinker_engine(weights: OmniWeights, kv: int) -> KVCacheEngine:
+def _thinker_engine(weights: OmniWeights, tokens: TalkerTokens, kv: int) -> ThinkerEngine:
     cfg = weights.config
-    return KVCacheEngine(
+    return ThinkerEngine(
         weights.thinker(),
         cfg.thinker.attention_spec(weights.dtype),
+        tokens,
         num_layers=cfg.thinker.num_hidden_layers,
         kv_cache_bytes=kv,
         device=weights.device,
@@ -168,7 +173,7 @@ def _thinker_engine(weights: OmniWeights, kv: int) -> KVCacheEngine:
 
 def _talker_engine(weights: OmniWeights, tokens: TalkerTokens, kv: int) -> EmbedsKVEngine:
     talker = weights.talker()
-    ops = talker_ops(talker, weights.thinker_embedding(), tokens)
+    ops = talker_ops(talker, tokens)
     return stack_engine(talker.model, weights.config.talker, ops, kv, weights)
 
 
@@ -210,19 +215,20 @@ def _nodes(audio: bool) -> list[Node]:
             engine="thinker",
             op="prefill",
             inputs=["tokens", "sampling", "embeds", "embeds_at", "resume"],
-            # embeds_out: the thinker's rows at the audio placeholders, for the talker.
-            outputs=["token", "embeds_out"],
+            # For the talker: embeds_out, the thinker's rows at the audio placeholders; row,
+            # rows, tts: input embeddings of the token, of the prompt, of the tts specials.
+            outputs=["token", "embeds_out", "row", "rows", "tts"],
         ),
         # A conversation's thinker KV kept between its turns (see the program's ``session``).
         Node("thinker_keep", engine="thinker", op="retain", inputs=["handle", "evictable"]),
         Node("thinker_forget", engine="thinker", op="drop", inputs=["handle"], outputs=["dropped"]),
         Node("thinker_text", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
-        Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
+        Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token", "row"]),
         Node(
             "talker_prefill",
             engine="talker",
             op="prefill",
-            inputs=["prompt", "first", "speaker", "audio_hidden", "sampling"],
+            inputs=["prompt", "rows", "first", "tts", "speaker", "audio_hidden", "sampling"],
             outputs=["code", "context"],
         ),
         *predictor_nodes(),
@@ -230,7 +236,7 @@ def _nodes(audio: bool) -> list[Node]:
             "talker",
             engine="talker",
             op="decode",
-            inputs=["text", "code", "codes"],
+            inputs=["text", "tts", "code", "codes"],
             outputs=["frame", "code", "context"],
         ),
         Node("code2wav", engine="code2wav", op="decode", inputs=["codes"], outputs=["pcm"]),
@@ -241,11 +247,14 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
     return [
         Edge("thinker_prefill.token", "thinker_text.token"),
         Edge("thinker_prefill.token", "thinker.token"),
-        Edge("thinker_prefill.token", "talker_prefill.first"),
+        Edge("thinker_prefill.rows", "talker_prefill.rows"),
+        Edge("thinker_prefill.row", "talker_prefill.first"),
+        Edge("thinker_prefill.tts", "talker_prefill.tts"),
+        Edge("thinker_prefill.tts", "talker.tts"),
         *frame_edges(),
         # A token's row waits for the next token or the end: upstream's last text row is
         # tts_eos in place of the thinker's last token (see talker_ops).
-        stream("thinker.token", "talker.text", LeftContextChunkPolicy(1, 0, lookahead=1)),
+        stream("thinker.row", "talker.text", LeftContextChunkPolicy(1, 0, lookahead=1)),
         stream("talker.frame", "code2wav.codes", LeftContextChunkPolicy(chunk, left_context)),
     ]
 
@@ -624,7 +633,7 @@ def build_qwen3_omni(
                 if cfg.audio is not None
                 else {}
             ),
-            "thinker": functools.partial(_thinker_engine, weights, kv_cache_bytes),
+            "thinker": functools.partial(_thinker_engine, weights, tokens, kv_cache_bytes),
             "talker": functools.partial(_talker_engine, weights, tokens, kv_cache_bytes),
             "predictor": functools.partial(_predictor_engine, weights, kv_cache_bytes // 4),
             "code2wav": functools.partial(_code2wav_engine, weights),

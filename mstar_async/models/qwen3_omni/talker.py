@@ -19,6 +19,11 @@ The talker's prompt is built as upstream's ``_get_talker_user_parts`` /
 ``accept_hidden_layer`` layers goes through ``hidden_projection``; then the assistant header
 with ``tts_pad`` x4 + ``tts_bos`` + the first generated text token on the text side and
 ``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side.
+
+The talker never looks a token up in the thinker's embedding table: as upstream's talker reads
+the thinker's ``hidden_states[0]``, it gets the thinker's input embedding rows themselves (the
+thinker's engine hands them out: ``thinker_engine``), so a rank holding the talker reads none
+of the thinker's weights. ``prompt_layout`` says which prompt positions' rows it needs.
 """
 
 from __future__ import annotations
@@ -38,14 +43,25 @@ from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.policies import Chunk
 
 __all__ = [
+    "TTS_BOS",
+    "TTS_EOS",
+    "TTS_PAD",
     "CodePredictor",
+    "PromptLayout",
     "Talker",
     "TalkerTokens",
     "frame_codes",
     "predictor_ops",
+    "prompt_layout",
     "sample_code0",
     "talker_ops",
+    "talker_prompt",
+    "text_row",
 ]
+
+#: Rows of the talker's ``tts`` input: the thinker's embeddings of ``tts_bos``, ``tts_eos`` and
+#: ``tts_pad``, in upstream's order.
+TTS_BOS, TTS_EOS, TTS_PAD = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -207,48 +223,100 @@ def _after(
     return {"code": torch.tensor(code), "context": context}
 
 
+@dataclass(frozen=True)
+class PromptLayout:
+    """Where the talker's prompt comes from in the thinker's prompt (``prompt_layout``).
+
+    Attributes:
+        user: the positions of the user turns, in order.
+        heard: those of them that are audio placeholders.
+        head: where the last assistant header (``<|im_start|>assistant``) starts.
+        length: the prompt's length.
+    """
+
+    user: tuple[int, ...]
+    heard: tuple[int, ...]
+    head: int
+    length: int
+
+    @property
+    def text(self) -> list[int]:
+        """The positions whose thinker embeddings the talker projects, in order: the user
+        turns' text (not their audio placeholders), then the assistant header to the end."""
+        heard = set(self.heard)
+        return [p for p in self.user if p not in heard] + list(range(self.head, self.length))
+
+
+def prompt_layout(prompt: Sequence[int], tokens: TalkerTokens) -> PromptLayout | None:
+    """The layout of a thinker prompt (ids) for the talker; None when it has no
+    ``<|im_start|>assistant`` header."""
+    starts = [i for i, t in enumerate(prompt) if t == tokens.im_start]
+    heads = [i for i in starts if i + 1 < len(prompt) and prompt[i + 1] == tokens.assistant]
+    if not heads:
+        return None
+    a = heads[-1]
+    user = tuple(
+        p
+        for s, e in zip(starts, [*starts[1:], a], strict=True)
+        if s < a and s + 1 < len(prompt) and prompt[s + 1] == tokens.user
+        for p in range(s, e)
+    )
+    heard = (
+        () if tokens.audio_pad is None else tuple(p for p in user if prompt[p] == tokens.audio_pad)
+    )
+    return PromptLayout(user, heard, a, len(prompt))
+
+
+def _from_thinker(talker: Talker, rows: torch.Tensor) -> torch.Tensor:
+    """Thinker rows on the talker's device (they may come from another rank) and in its dtype
+    (the same one: a no-op)."""
+    return rows.to(talker.text_projection.linear_fc1.weight)
+
+
+def _project(talker: Talker, rows: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = talker.text_projection(_from_thinker(talker, rows))
+    return out
+
+
 def talker_prompt(
     talker: Talker,
-    thinker_embed: nn.Embedding,
     tokens: TalkerTokens,
     prompt: torch.Tensor,
-    first: int,
+    rows: torch.Tensor | None,
+    first: torch.Tensor,
+    tts: torch.Tensor,
     speaker: int,
     audio_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The talker's prefill rows for a prompt and the thinker's first generated token;
-    ``audio_hidden`` holds the thinker's rows (after ``accept_hidden_layer`` layers) at the
-    prompt's audio placeholders, in order.
+    """The talker's prefill rows for a thinker prompt (ids) and the thinker's first generated
+    token. ``rows`` are the thinker's input embeddings at ``prompt_layout(prompt).text``,
+    ``first`` that of the first token (``[hidden]``), ``tts`` those of ``tts_bos``, ``tts_eos``
+    and ``tts_pad`` (the thinker prefill's ``rows``, ``row`` and ``tts``); ``audio_hidden``
+    holds the thinker's rows (after ``accept_hidden_layer`` layers) at the prompt's audio
+    placeholders, in order.
 
     Raises:
-        EngineError: the prompt has no ``<|im_start|>`` + assistant header, or audio
-            placeholders in user turns without as many ``audio_hidden`` rows.
+        EngineError: the prompt has no ``<|im_start|>`` + assistant header, ``rows`` do not
+            match its layout, or audio placeholders in user turns come without as many
+            ``audio_hidden`` rows.
     """
-    ids = [int(t) for t in prompt.reshape(-1).tolist()]
-    starts = [i for i, t in enumerate(ids) if t == tokens.im_start]
-    heads = [i for i in starts if i + 1 < len(ids) and ids[i + 1] == tokens.assistant]
-    if not heads:
+    layout = prompt_layout([int(t) for t in prompt.reshape(-1).tolist()], tokens)
+    if layout is None:
         raise EngineError(
             "the talker needs a chat prompt ending in an assistant header "
             "(<|im_start|>assistant); build it with the chat template"
         )
-    a = heads[-1]
-    user = [
-        t
-        for s, e in zip(starts, [*starts[1:], a], strict=True)
-        if s < a and s + 1 < len(ids) and ids[s + 1] == tokens.user
-        for t in ids[s:e]
-    ]
-
-    def project(token_ids: Sequence[int]) -> torch.Tensor:
-        embedded = thinker_embed.weight[torch.tensor(list(token_ids), dtype=torch.long)]
-        out: torch.Tensor = talker.text_projection(embedded)
-        return out
-
-    head = [*ids[a:], first]
-    k = len(head) - 1
-    assistant = project(head)
-    pad, bos = project([tokens.tts_pad, tokens.tts_bos])
+    want = len(layout.text)
+    if rows is None or rows.dim() != 2 or rows.shape[0] != want:
+        got = None if rows is None else tuple(rows.shape)
+        raise EngineError(
+            f"the talker's prompt needs the thinker's embedding rows at {want} positions (the "
+            f"thinker prefill's rows), got {got}"
+        )
+    k = layout.length - layout.head
+    user = want - k
+    assistant = _project(talker, torch.cat([rows[user:], first.reshape(1, -1).to(rows)]))
+    pad, bos = _project(talker, tts[[TTS_PAD, TTS_BOS]])
     text = torch.cat([assistant[:k], pad.expand(4, -1), bos[None], assistant[k:]])
     codec_ids = [
         tokens.codec_nothink,
@@ -260,87 +328,84 @@ def talker_prompt(
     ]
     codec = talker.codec_embedding.weight[torch.tensor(codec_ids)]
     codec = torch.cat([codec.new_zeros(k, codec.shape[1]), codec])
-    parts = [_user_rows(talker, project, tokens, user, audio_hidden)] if user else []
+    parts = [_user_rows(talker, layout, rows[:user], audio_hidden)] if layout.user else []
     return torch.cat([*parts, text + codec])
 
 
 def _user_rows(
     talker: Talker,
-    project: Any,
-    tokens: TalkerTokens,
-    user: list[int],
+    layout: PromptLayout,
+    rows: torch.Tensor,
     audio_hidden: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The user turns' rows: ``text_projection`` of their embeddings, and at audio
-    placeholders ``hidden_projection`` of the thinker's hidden rows (upstream's
+    """The user turns' rows: ``text_projection`` of the thinker's embeddings of their text,
+    and at audio placeholders ``hidden_projection`` of the thinker's hidden rows (upstream's
     ``_get_talker_user_parts``)."""
-    rows: torch.Tensor = project(user)
-    if tokens.audio_pad is None:
-        return rows
-    at = [i for i, t in enumerate(user) if t == tokens.audio_pad]
-    if not at:
-        return rows
-    if audio_hidden is None or audio_hidden.shape[0] != len(at):
+    text = _project(talker, rows)
+    if not layout.heard:
+        return text
+    if audio_hidden is None or audio_hidden.shape[0] != len(layout.heard):
         got = 0 if audio_hidden is None else audio_hidden.shape[0]
         raise EngineError(
-            f"the talker's prompt has {len(at)} audio positions in user turns but got {got} "
-            "thinker rows for them (the thinker prefill's embeds_out; none when the config's "
-            "talker_config.accept_hidden_layer is past the thinker's layers)"
+            f"the talker's prompt has {len(layout.heard)} audio positions in user turns but got "
+            f"{got} thinker rows for them (the thinker prefill's embeds_out; none when the "
+            "config's talker_config.accept_hidden_layer is past the thinker's layers)"
         )
-    heard: torch.Tensor = talker.hidden_projection(audio_hidden.to(rows.dtype))
-    return rows.index_copy(0, torch.tensor(at, device=rows.device), heard)
+    heard: torch.Tensor = talker.hidden_projection(audio_hidden.to(text))
+    audio = set(layout.heard)
+    at_text = [i for i, p in enumerate(layout.user) if p not in audio]
+    at_audio = [i for i, p in enumerate(layout.user) if p in audio]
+    out = text.new_empty(len(layout.user), text.shape[1])
+    out.index_copy_(0, torch.tensor(at_text, device=out.device), text)
+    return out.index_copy_(0, torch.tensor(at_audio, device=out.device), heard)
 
 
-def _text_token(tokens: TalkerTokens, text: Chunk | StreamEnd) -> int:
-    """The thinker-vocabulary id of the talker's next text row. ``text`` is the text stream's
-    chunk for this frame (one new token, looking one ahead) or, once the text has ended,
-    ``StreamEnd``: a token as it comes, ``tts_eos`` for the last one (the final chunk), then
-    ``tts_pad``."""
+def text_row(talker: Talker, tts: torch.Tensor, text: Chunk | StreamEnd) -> torch.Tensor:
+    """The talker's text row for one frame (``[hidden]``): ``text_projection`` of a thinker
+    embedding row. ``text`` is the text stream's chunk for this frame (the row of one new
+    token, looking one ahead) or, once the text has ended, ``StreamEnd``: a token's row as it
+    comes, ``tts_eos``'s for the last one (the final chunk), then ``tts_pad``'s (rows of
+    ``tts``)."""
     if isinstance(text, StreamEnd):
-        return tokens.tts_pad
-    if text.final:
-        return tokens.tts_eos
-    return int(torch.as_tensor(text.new).reshape(-1)[0])
+        row = tts[TTS_PAD]
+    elif text.final:
+        row = tts[TTS_EOS]
+    else:
+        row = torch.as_tensor(text.new)[0]
+    return _project(talker, row)
 
 
-def _text_row(
-    talker: Talker, thinker_embed: nn.Embedding, tokens: TalkerTokens, text: Chunk | StreamEnd
-) -> torch.Tensor:
-    out: torch.Tensor = talker.text_projection(thinker_embed.weight[_text_token(tokens, text)])
-    return out
+def talker_ops(talker: Talker, tokens: TalkerTokens) -> dict[str, EmbedsOp]:
+    """The talker engine's ops; thinker rows are the thinker's input embeddings (see
+    ``talker_prompt``).
 
-
-def talker_ops(
-    talker: Talker, thinker_embed: nn.Embedding, tokens: TalkerTokens
-) -> dict[str, EmbedsOp]:
-    """The talker engine's ops.
-
-    - ``prefill``: ``prompt`` (thinker prompt ids), ``first`` (thinker's first token),
-      ``speaker`` (codec speaker id), ``audio_hidden`` (the thinker's rows at the prompt's
-      audio placeholders, or None), ``sampling`` -> ``code`` (codebook 0 of frame 0),
-      ``context`` (``[2, hidden]``: the code predictor's first rows).
-    - ``decode``: ``text`` (the text stream's chunk holding the next thinker token, or
-      ``StreamEnd`` after the text), ``code`` (this frame's codebook 0), ``codes`` (its residual
-      codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for the next
-      frame.
+    - ``prefill``: ``prompt`` (thinker prompt ids), ``rows`` (thinker rows at the prompt's
+      ``prompt_layout(...).text``), ``first`` (the thinker's first token's row), ``tts`` (rows
+      of ``tts_bos``, ``tts_eos``, ``tts_pad``), ``speaker`` (codec speaker id),
+      ``audio_hidden`` (the thinker's rows at the prompt's audio placeholders, or None),
+      ``sampling`` -> ``code`` (codebook 0 of frame 0), ``context`` (``[2, hidden]``: the code
+      predictor's first rows).
+    - ``decode``: ``text`` (the text stream's chunk holding the next thinker token's row, or
+      ``StreamEnd`` after the text), ``tts``, ``code`` (this frame's codebook 0), ``codes`` (its
+      residual codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for
+      the next frame.
     """
 
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        speaker = int(inputs["speaker"])
         return talker_prompt(
             talker,
-            thinker_embed,
             tokens,
             inputs["prompt"],
-            int(inputs["first"]),
-            speaker,
+            inputs["rows"],
+            inputs["first"],
+            inputs["tts"],
+            int(inputs["speaker"]),
             inputs.get("audio_hidden"),
         )
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        frame = frame_codes(inputs)
-        row = talker.frame_embedding(frame) + _text_row(
-            talker, thinker_embed, tokens, inputs["text"]
+        row = talker.frame_embedding(frame_codes(inputs)) + text_row(
+            talker, inputs["tts"], inputs["text"]
         )
         return row[None]
 

@@ -38,7 +38,7 @@ class Thinker(nn.Module):
 
     @property
     def embed_tokens(self) -> nn.Embedding:
-        """The input embedding table (the talker projects rows of it)."""
+        """The input embedding table (its engine sends the talker rows of it)."""
         table = self.model.embed_tokens
         assert isinstance(table, nn.Embedding)
         return table

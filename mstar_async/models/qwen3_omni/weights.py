@@ -1,10 +1,10 @@
 """The model's parts, each built the first time an engine asks for it, and only that part.
 
 A rank builds the parts its engines need and nothing else: the thinker's engine the thinker; the
-talker's engine the talker (with its code predictor) and the thinker's embedding table alone
-(the talker projects thinker embeddings of the text, as upstream does); the code predictor's
-engine the code predictor (taken from the talker when that is built); code2wav's engine
-code2wav; the audio encoder's engine the thinker's audio tower. From a checkpoint folder a part
+talker's engine the talker (with its code predictor), and nothing of the thinker (the thinker's
+engine sends it the embedding rows it projects: ``thinker_engine``); the code predictor's engine
+the code predictor (taken from the talker when that is built); code2wav's engine code2wav; the
+audio encoder's engine the thinker's audio tower. From a checkpoint folder a part
 is built on the meta device and its tensors are streamed from the safetensors files straight
 into their final dtype and device (``checkpoints.streaming``), so a rank reads from disk only its
 parts' tensors and never holds a second copy; the vision tower is never read.
@@ -171,7 +171,7 @@ def _build_audio(cfg: OmniConfig) -> AudioEncoder:
 class _Part:
     build: Callable[[OmniConfig], nn.Module]
     prefix: str  # of its tensors' upstream names
-    claims: tuple[str, ...]  # its tensors that must all be used (none: it reads a few)
+    claims: tuple[str, ...]  # its tensors that must all be used
     within: tuple[str, str] | None = None  # (part, submodule) it is a piece of
     seed: int = 0  # offset of its seed (seeded parts that are no piece of another)
 
@@ -181,12 +181,6 @@ _PARTS = {
         lambda c: Thinker(c.thinker, c.thinker_vocab, c.accept_hidden_layer),
         "thinker.",
         ("thinker.model.", "thinker.lm_head."),  # not the audio and vision towers
-    ),
-    "thinker_embedding": _Part(
-        lambda c: nn.Embedding(c.thinker_vocab, c.thinker.hidden_size),
-        "thinker.model.embed_tokens.",
-        (),
-        within=("thinker", "model.embed_tokens"),
     ),
     "talker": _Part(build_talker, "talker.", ("talker.",), seed=1),
     "code_predictor": _Part(
@@ -229,11 +223,6 @@ class OmniWeights:
             ValueError: the weights do not match the config.
         """
         return self._part("thinker", Thinker)
-
-    def thinker_embedding(self) -> nn.Embedding:
-        """The thinker's input embedding table: the thinker's own when it is built, else the
-        table alone (the only thinker tensor read). Raises as ``thinker``."""
-        return self._part("thinker_embedding", nn.Embedding)
 
     def talker(self) -> Talker:
         """The talker with its code predictor. Raises as ``thinker``."""
