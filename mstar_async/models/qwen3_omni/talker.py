@@ -18,12 +18,15 @@ The talker's prompt is built as upstream's ``_get_talker_user_parts`` /
 ``text_projection``, except at audio positions, where the thinker's hidden state after
 ``accept_hidden_layer`` layers goes through ``hidden_projection``; then the assistant header
 with ``tts_pad`` x4 + ``tts_bos`` + the first generated text token on the text side and
-``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side.
+``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side. Upstream builds it
+afresh each turn from the whole conversation, but only its user turns lead it, and a
+conversation's next turn repeats them: their rows are keyed (``talker_keys``), so a
+conversation keeps their KV and its next turn computes only the new user turn and the header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +34,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_async.engines.kv.prefill_rows import prompt_keys
 from mstar_async.errors import EngineError
 from mstar_async.graph import StreamEnd
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.policies import Chunk
 
-__all__ = ["CodePredictor", "Talker", "TalkerTokens", "predictor_ops", "talker_ops"]
+__all__ = [
+    "CodePredictor",
+    "Talker",
+    "TalkerTokens",
+    "predictor_ops",
+    "talker_keys",
+    "talker_ops",
+]
 
 
 @dataclass(frozen=True)
@@ -181,20 +192,7 @@ def talker_prompt(
             placeholders in user turns without as many ``audio_hidden`` rows.
     """
     ids = [int(t) for t in prompt.reshape(-1).tolist()]
-    starts = [i for i, t in enumerate(ids) if t == tokens.im_start]
-    heads = [i for i in starts if i + 1 < len(ids) and ids[i + 1] == tokens.assistant]
-    if not heads:
-        raise EngineError(
-            "the talker needs a chat prompt ending in an assistant header "
-            "(<|im_start|>assistant); build it with the chat template"
-        )
-    a = heads[-1]
-    user = [
-        t
-        for s, e in zip(starts, [*starts[1:], a], strict=True)
-        if s < a and s + 1 < len(ids) and ids[s + 1] == tokens.user
-        for t in ids[s:e]
-    ]
+    user, a = _user_turns(tokens, ids)
 
     def project(token_ids: Sequence[int]) -> torch.Tensor:
         embedded = thinker_embed.weight[torch.tensor(list(token_ids), dtype=torch.long)]
@@ -218,6 +216,53 @@ def talker_prompt(
     codec = torch.cat([codec.new_zeros(k, codec.shape[1]), codec])
     parts = [_user_rows(talker, project, tokens, user, audio_hidden)] if user else []
     return torch.cat([*parts, text + codec])
+
+
+def _user_turns(tokens: TalkerTokens, ids: list[int]) -> tuple[list[int], int]:
+    """The ids of every user turn before the last assistant header, in order (upstream's
+    ``user_mask``: from a turn's ``<|im_start|>`` to the next one), and where that header is.
+
+    Raises:
+        EngineError: the prompt has no ``<|im_start|>`` + assistant header.
+    """
+    starts = [i for i, t in enumerate(ids) if t == tokens.im_start]
+    heads = [i for i in starts if i + 1 < len(ids) and ids[i + 1] == tokens.assistant]
+    if not heads:
+        raise EngineError(
+            "the talker needs a chat prompt ending in an assistant header "
+            "(<|im_start|>assistant); build it with the chat template"
+        )
+    a = heads[-1]
+    user = [
+        t
+        for s, e in zip(starts, [*starts[1:], a], strict=True)
+        if s < a and s + 1 < len(ids) and ids[s + 1] == tokens.user
+        for t in ids[s:e]
+    ]
+    return user, a
+
+
+def talker_keys(
+    tokens: TalkerTokens, prompt: torch.Tensor, audio_hidden: torch.Tensor | None
+) -> list[Hashable]:
+    """What each of the talker prompt's user-turn rows *is*, in order
+    (``prefill_rows.prompt_keys``): a text row its thinker id, an audio row its id with a
+    digest of the thinker row it projects. They lead the talker's prompt, and a
+    conversation's next turn repeats them (upstream's talker reads every user turn, then the
+    new reply's header), so they are the rows a next turn may take from a kept handle.
+    ``audio_hidden`` may hold rows for a leading run of the audio positions only (what a
+    rewound thinker still keeps): the keys then stop at the first audio position without one.
+
+    Raises:
+        EngineError: as ``talker_prompt``.
+    """
+    user, _ = _user_turns(tokens, [int(t) for t in prompt.reshape(-1).tolist()])
+    pad = tokens.audio_pad
+    at = [i for i, t in enumerate(user) if t == pad] if pad is not None else []
+    known = min(len(at), 0 if audio_hidden is None else int(audio_hidden.shape[0]))
+    rows = audio_hidden[:known] if audio_hidden is not None and known else None
+    keys = prompt_keys(user, rows, torch.tensor(at[:known], dtype=torch.long))
+    return keys if known == len(at) else keys[: at[known]]
 
 
 def _user_rows(
@@ -273,8 +318,10 @@ def talker_ops(
 
     - ``prefill``: ``prompt`` (thinker prompt ids), ``first`` (thinker's first token),
       ``speaker`` (codec speaker id), ``audio_hidden`` (the thinker's rows at the prompt's
-      audio placeholders, or None), ``sampling`` -> ``code`` (codebook 0 of frame 0),
-      ``context`` (``[2, hidden]``: the code predictor's first rows).
+      audio placeholders, or None), ``sampling``, optional ``resume`` (a conversation's
+      handle: its kept user-turn rows are reused) -> ``code`` (codebook 0 of frame 0),
+      ``context`` (``[2, hidden]``: the code predictor's first rows). Its user-turn rows are
+      keyed (``talker_keys``), for ``retain``.
     - ``decode``: ``text`` (the text stream's chunk holding the next thinker token, or
       ``StreamEnd`` after the text), ``code`` (this frame's codebook 0), ``codes`` (its residual
       codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for the next
@@ -313,8 +360,16 @@ def talker_ops(
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
+    def prefill_keys(inputs: Mapping[str, Any]) -> list[Hashable]:
+        return talker_keys(tokens, inputs["prompt"], inputs.get("audio_hidden"))
+
     return {
-        "prefill": EmbedsOp(prefill_rows, prefill_done, cost=lambda i: len(i["prompt"]) + 8),
+        "prefill": EmbedsOp(
+            prefill_rows,
+            prefill_done,
+            cost=lambda i: len(i["prompt"]) + 8,
+            keys=prefill_keys,
+        ),
         "decode": EmbedsOp(decode_rows, decode_done),
     }
 
