@@ -16,12 +16,13 @@ positions (an audio encoder's output in place of its placeholder tokens, as mult
 scatter theirs). They ride with the pending tokens, keyed by absolute position, so a prompt
 split over forwards still gets each row at its own position.
 
-KV state may outlive a request under a *handle* (a string): a session's sequence kept across
-turns (``retain`` / ``attach``, or a ``prefill`` that ``resume``s from it: the longest prefix it
-shares with the new prompt is reused, the rest computed) and named prefixes many requests fork
-from (``prefix``). A
-handle's blocks stay in the shared pool, counted against the budget, until it is dropped;
-prefix handles are also evicted, least recently used first, when admission needs room.
+KV state may outlive a request under a *handle* (a string, kept by ``engines/kv/handles.py``):
+a session's sequence kept across turns (``retain`` / ``attach``, or a ``prefill`` that
+``resume``s from it: the longest prefix it shares with the new prompt is reused, the rest
+computed; ``rewind`` cuts it back to that prefix at once) and named prefixes many requests fork
+from (``prefix``). A handle's blocks stay in the shared pool, counted against the budget, until
+it is dropped; prefix handles are also evicted, least recently used first, when admission needs
+room.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from mstar_async.engines.kv import (
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.allocator import AppendPlan
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
-from mstar_async.engines.kv.prefill_rows import check_embeds, common_prefix, prompt_keys
+from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore
+from mstar_async.engines.kv.prefill_rows import check_embeds, prompt_keys
 from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
-from mstar_async.engines.kv.sequences import Before, Handle, HandleKey, SeqState
+from mstar_async.engines.kv.sequences import Before, HandleKey, SeqState
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.sampling import SamplingParams, make_generator, sample
 from mstar_async.errors import EngineError
@@ -52,7 +54,7 @@ from mstar_async.errors import EngineError
 GREEDY = SamplingParams(temperature=0.0)
 TOKEN_OPS = ("prefill", "decode", "prefix")  # "prefix" computes tokens only on a miss
 QUERY_OPS = ("extend", "attend")
-HANDLE_OPS = ("retain", "attach", "drop")
+HANDLE_OPS = ("retain", "attach", "drop", "rewind")
 OPS = (*TOKEN_OPS, "fork", *QUERY_OPS, *HANDLE_OPS)
 # A prefix being computed is a branch of the request computing it (so its release frees it and
 # admission counts it as that request's memory); the NUL keeps it apart from user branch names.
@@ -149,6 +151,13 @@ class KVCacheEngine:
       new evictable *prefix* handle, which is then forked into the sequence. Nothing is
       sampled: the request's next ``prefill`` continues after the prefix.
     - ``drop``: ``handle`` -> ``dropped`` (bool): ``drop_handle`` as a step.
+    - ``rewind``: ``handle``, ``tokens``, optional ``embeds`` / ``embeds_at`` (as ``prefill``)
+      -> ``tokens`` (what the handle keeps, an int; 0 for an unknown handle) and
+      ``embeds_out`` (the model's kept rows at the prompt's row positions it keeps, in order,
+      or None). The handle is cut back to the longest prefix it shares with the prompt (the
+      rule ``resume`` applies), its blocks past that freed now rather than at the next turn's
+      ``resume``: a conversation whose earlier item changed (a reply truncated where the user
+      stopped listening) gives back its memory as it changes.
 
     Every op but ``fork`` and ``drop`` takes an optional ``seq``: the branch it runs on (the main
     sequence if absent). ``extend`` and ``attend`` need a model with ``QueryModel``'s methods.
@@ -203,10 +212,7 @@ class KVCacheEngine:
         self._forward = _maybe_compile(model.forward, compile)
         self._sequences: dict[Hashable, SeqState] = {}
         self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
-        self._handles: dict[str, Handle] = {}
-        # request -> its sequence -> (handle, kind)
-        self._retained: dict[str, dict[Hashable, tuple[str, str]]] = {}
-        self._uses = 0
+        self._handles = HandleStore(self.allocator)
         self._peak_blocks = 0
         #: Prompt tokens ``resume`` took from kept sequences instead of computing them.
         self.reused_tokens = 0
@@ -214,44 +220,25 @@ class KVCacheEngine:
     @property
     def handles(self) -> dict[str, tuple[str, int, int]]:
         """Every handle -> (kind: ``"session"`` or ``"prefix"``, tokens, blocks it holds)."""
-        alloc = self.allocator
-        return {
-            name: (
-                h.kind,
-                alloc.num_tokens(HandleKey(name)),
-                len(alloc.block_table(HandleKey(name))),
-            )
-            for name, h in self._handles.items()
-        }
+        return self._handles.summary()
 
     @property
     def kept_blocks(self) -> int:
         """Distinct KV blocks that handles hold (some may be shared with live sequences too)."""
-        alloc = self.allocator
-        return len({b for name in self._handles for b in alloc.block_table(HandleKey(name))})
+        return self._handles.kept_blocks
 
     def drop_handle(self, handle: str) -> bool:
         """Free ``handle``'s reference to its blocks (those still shared with live forks stay
         until the forks end); return whether it existed. Never raises. Call it between forwards
         (the forward thread, or the scheduler's when forwards run there); a scheduler with steps
         parked for memory should then ``wake`` them."""
-        if self._handles.pop(handle, None) is None:
-            return False
-        self.allocator.free(HandleKey(handle))
-        return True
+        return self._handles.drop(handle)
 
     def _evict_one(self) -> bool:
         """The admission rule's last resort before a step waits: drop the least recently used
         prefix handle. Session handles are never evicted (a conversation cannot be recomputed
         from what the engine holds)."""
-        prefixes = [(h.used, name) for name, h in self._handles.items() if h.kind == "prefix"]
-        if not prefixes:
-            return False
-        return self.drop_handle(min(prefixes)[1])
-
-    def _touch(self, handle: Handle) -> None:
-        self._uses += 1
-        handle.used = self._uses
+        return self._handles.evict_lru()
 
     @property
     def blocks_in_use(self) -> int:
@@ -387,18 +374,14 @@ class KVCacheEngine:
             or (self.allocator.has(key) and self.allocator.num_tokens(key))
         ):
             return
-        handle = self._handles.get(name)
-        if handle is None:
-            return
         tokens = _token_list(step.inputs.get("tokens", ()))
         keys = prompt_keys(tokens, step.inputs.get("embeds"), step.inputs.get("embeds_at"))
-        shared = min(common_prefix(handle.keys, keys), len(tokens) - 1)
+        shared = min(self._handles.shared(name, keys), len(tokens) - 1)
         if shared <= 0:
             return
         if self.allocator.has(key):
             self.allocator.free(key)
-        self.allocator.fork(HandleKey(name), key)
-        self.allocator.truncate(key, shared)
+        handle = self._handles.fork(name, key, shared)
         params = step.inputs.get("sampling") or handle.params
         resumed = SeqState(params, make_generator(params.seed, self.device))
         resumed.keys = handle.keys[:shared]
@@ -407,7 +390,6 @@ class KVCacheEngine:
         self._sequences[key] = resumed
         if isinstance(key, tuple):
             self._branches.setdefault(step.request_id, set()).add(key)
-        self._touch(handle)
         self.reused_tokens += shared
 
     def _query_demand(
@@ -471,23 +453,45 @@ class KVCacheEngine:
         return {"seq": name}
 
     def _handle_op(self, step: Step) -> StepResult:
-        """``retain``, ``attach`` and ``drop``: bookkeeping only, no memory taken."""
+        """``retain``, ``attach``, ``drop`` and ``rewind``: bookkeeping only, no memory taken."""
         name = step.inputs.get("handle")
         if not isinstance(name, str) or not name:
             return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
         if step.op == "drop":
             return {"dropped": self.drop_handle(name)}
         if step.op == "retain":
-            kind = "prefix" if step.inputs.get("evictable") else "session"
-            self._retained.setdefault(step.request_id, {})[_key(step)] = (name, kind)
+            kind = PREFIX if step.inputs.get("evictable") else SESSION
+            self._handles.retain(step.request_id, _key(step), name, kind)
             return {}
-        handle = self._handles.get(name)
-        if handle is None:
+        if step.op == "rewind":
+            return self._rewind(step, name)
+        if name not in self._handles:
             return EngineError(
                 f"request {step.request_id}: attach to handle {name!r}, which does not exist "
                 "(never retained, or dropped)"
             )
         return self._fork_handle(step, name, _key(step))
+
+    def _rewind(self, step: Step, name: str) -> StepResult:
+        """Cut handle ``name`` back to what the prompt ``tokens`` (with its rows) shares with
+        it: ``tokens`` kept (0 for an unknown handle) and ``embeds_out``, the rows the model
+        reported at the prompt's row positions among them (a leading run, in order; None if
+        none)."""
+        refused = check_embeds(step, getattr(self.model, "accepts_embeds", False))
+        if refused is not None:
+            return refused
+        tokens = _token_list(step.inputs.get("tokens", ()))
+        at = step.inputs.get("embeds_at")
+        kept = self._handles.rewind(name, prompt_keys(tokens, step.inputs.get("embeds"), at))
+        handle = self._handles.get(name)
+        kept_rows = {} if handle is None else handle.row_out
+        rows: list[torch.Tensor] = []
+        for position in [] if at is None else at.reshape(-1).tolist():
+            row = kept_rows.get(int(position))
+            if row is None:
+                break
+            rows.append(row)
+        return {"tokens": kept or 0, "embeds_out": torch.stack(rows) if rows else None}
 
     def _is_hit(self, step: Step) -> bool:
         """Whether a ``prefix`` step finds its handle cached (and is not already computing it)."""
@@ -499,10 +503,7 @@ class KVCacheEngine:
     def _prefix_hit(self, step: Step) -> StepResult:
         name = str(step.inputs.get("handle"))
         out = self._fork_handle(step, name, _target(step))
-        if isinstance(out, dict):
-            self._touch(self._handles[name])
-            return {"tokens": out["tokens"], "hit": True}
-        return out
+        return {"tokens": out["tokens"], "hit": True} if isinstance(out, dict) else out
 
     def _prefix_built(self, step: Step) -> dict[str, Any] | EngineError:
         """A ``prefix`` miss computed its last token: its build branch becomes the handle (a
@@ -511,15 +512,11 @@ class KVCacheEngine:
         name = str(step.inputs.get("handle"))
         build = _key(step)
         if name not in self._handles:
-            params = self._sequences[build].params
-            self.allocator.fork(build, HandleKey(name))
-            self._handles[name] = Handle("prefix", params, 0, list(self._sequences[build].keys))
+            made = self._sequences[build]
+            self._handles.keep(name, build, PREFIX, made.params, made.keys)
         self._drop_sequence(build)
         out = self._fork_handle(step, name, _target(step))
-        if isinstance(out, dict):
-            self._touch(self._handles[name])
-            return {"tokens": out["tokens"], "hit": False}
-        return out
+        return {"tokens": out["tokens"], "hit": False} if isinstance(out, dict) else out
 
     def _fork_handle(self, step: Step, name: str, target: Hashable) -> dict[str, Any] | EngineError:
         """Start ``target`` as a fork of handle ``name`` (shared blocks, no memory taken). An
@@ -530,12 +527,12 @@ class KVCacheEngine:
                 f"request {step.request_id}: cannot {step.op} handle {name!r} onto sequence "
                 f"{_name(target)!r}, which already holds tokens"
             )
-        params = step.inputs.get("sampling") or self._handles[name].params
         if current is not None:
             self.allocator.free(target)
-        self.allocator.fork(HandleKey(name), target)
+        handle = self._handles.fork(name, target)
+        params = step.inputs.get("sampling") or handle.params
         self._sequences[target] = SeqState(params, make_generator(params.seed, self.device))
-        self._sequences[target].keys = list(self._handles[name].keys)
+        self._sequences[target].keys = list(handle.keys)
         if isinstance(target, tuple):
             self._branches.setdefault(step.request_id, set()).add(target)
         return {"tokens": self.allocator.num_tokens(target)}
@@ -591,18 +588,12 @@ class KVCacheEngine:
     def release(self, request_id: str) -> None:
         """Keep the sequences the request retained under their handles, then free its KV blocks
         (main sequence and branches) and sampling state; idempotent."""
-        for key, (name, kind) in self._retained.pop(request_id, {}).items():
+        for key, (name, kind) in self._handles.released(request_id).items():
             seq = self._sequences.get(key)
             if seq is None or not self.allocator.has(key):
                 continue  # nothing was ever computed on it: there is nothing to keep
-            self.drop_handle(name)
-            self.allocator.fork(key, HandleKey(name))
             kept = seq.keys[: self.allocator.num_tokens(key)]
-            self._uses += 1
-            self._handles[name] = Handle(kind, seq.params, self._uses, kept)
-            self._handles[name].row_out = {
-                p: row for p, row in seq.row_out.items() if p < len(kept)
-            }
+            self._handles.keep(name, key, kind, seq.params, kept, row_out=seq.row_out)
         for key in [request_id, *self._branches.pop(request_id, ())]:
             self._sequences.pop(key, None)
             if self.allocator.has(key):

@@ -1,9 +1,8 @@
 """Prefill rows (embeddings that replace some prompt positions' token embeddings): the check a
 step's ``embeds`` / ``embeds_at`` pass, and what a sequence's tokens *are*, for deciding how
 much of a kept sequence a new prompt shares: a token id, or, at a position whose embedding a
-prefill replaced with a row (audio, image), the id together with a digest of those rows and the
-row's index among them, so two prompts with the same placeholders but different audio do not
-match.
+prefill replaced with a row (audio, image), the id together with a digest of that row, so two
+prompts with the same placeholders but different audio do not match.
 
 Pure (no engine state); the digest reads the rows on the host.
 """
@@ -36,8 +35,8 @@ def check_embeds(step: Step, accepts: bool) -> EngineError | None:
     if rows is None and at is None:
         return None
     where = f"request {step.request_id}: {step.op}"
-    if step.op != "prefill":
-        return EngineError(f"{where} cannot take embeds; only prefill does")
+    if step.op not in ("prefill", "rewind"):
+        return EngineError(f"{where} cannot take embeds; only prefill (and rewind) do")
     if not accepts:
         return EngineError(f"{where}: the model takes no embeds")
     if not isinstance(rows, torch.Tensor) or not isinstance(at, torch.Tensor):
@@ -56,22 +55,20 @@ def check_embeds(step: Step, accepts: bool) -> EngineError | None:
     return None
 
 
-def _digest(rows: torch.Tensor) -> str:
-    data = rows.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 def prompt_keys(
     tokens: Sequence[int], rows: torch.Tensor | None, at: torch.Tensor | None
 ) -> list[Hashable]:
-    """One key per token of a prefill: the id, or ``(id, digest of rows, j)`` at the ``j``-th
-    offset of ``at``. Never raises on a pair the engine accepted."""
+    """One key per token of a prefill: the id, or ``(id, digest of its row)`` at an offset of
+    ``at`` (the ``j``-th offset takes ``rows[j]``). Each row is digested alone, so a prompt
+    that adds rows after the kept ones (a new spoken turn) still shares every earlier one.
+    Never raises on a pair the engine accepted."""
     keys: list[Hashable] = list(tokens)
     if rows is None or at is None or not rows.numel():
         return keys
-    digest = _digest(rows)
+    data = rows.detach().to("cpu", torch.float32).contiguous().numpy()
     for j, offset in enumerate(at.reshape(-1).tolist()):
-        keys[int(offset)] = (tokens[int(offset)], digest, j)
+        digest = hashlib.blake2b(data[j].tobytes(), digest_size=16).hexdigest()
+        keys[int(offset)] = (tokens[int(offset)], digest)
     return keys
 
 

@@ -15,11 +15,14 @@ its rows, which the response's thinker reads in place of its audio placeholders.
 
 At most one response runs at a time. A response is one request of the model's program over the
 conversation; cancelling it (``response.cancel``, barge-in, the client leaving) closes that
-request, which frees its KV at once. Every refused client event is answered with an ``error``
-event and the session goes on; a response that fails (refused admission, a failure midway, or a
-turn server VAD committed that the model cannot read) ends as a ``failed`` ``response.done``
-with the error in its ``status_details``, which clients take as a failed turn, not a broken
-session.
+request, which frees its KV at once. A model that keeps the conversation's KV between responses
+is told when an earlier item changes (truncated, deleted, inserted before others): it rolls
+what it keeps back to the change then, and its memory comes back at the event.
+
+Every refused client event is answered with an ``error`` event and the session goes on; a
+response that fails (refused admission, a failure midway, or a turn server VAD committed that
+the model cannot read) ends as a ``failed`` ``response.done`` with the error in its
+``status_details``, which clients take as a failed turn, not a broken session.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ _FRAME_MS = FRAME * 1000 / SAMPLE_RATE
 Send = Callable[[dict[str, Any] | None], Awaitable[None]]
 #: Starts one response request: (conversation messages, response settings) -> model outputs.
 Respond = Callable[[list[dict[str, Any]], SessionConfig], Any]
+#: Tells the model the conversation is now these messages (an earlier item changed).
+Rewind = Callable[[list[dict[str, Any]]], Awaitable[None]]
 #: Committed turns whose hearing a session remembers (``heard``).
 HEARD_TURNS = 64
 
@@ -82,7 +87,8 @@ class RealtimeSession:
     request of the served model (None: the model hears nothing, and committed speech without a
     transcript cannot be answered); ``on_heard`` is told how each committed turn was heard;
     ``forget`` frees what the model kept of the conversation, once the session has ended and
-    its last response is closed.
+    its last response is closed; ``rewind(messages)`` rolls what it kept back to where the
+    conversation, now ``messages``, changed.
     """
 
     def __init__(
@@ -98,10 +104,14 @@ class RealtimeSession:
         hear: Hear | None = None,
         on_heard: Callable[[HeardTurn], None] | None = None,
         forget: Callable[[], Awaitable[None]] | None = None,
+        rewind: Rewind | None = None,
         session_id: str | None = None,
     ) -> None:
         self.id = session_id or new_id("sess")
         self.forget = forget
+        self.rewind = rewind
+        # The system message the model's kept conversation starts with (the last response's).
+        self._kept_system: str | None = None
         self.hear = hear
         self.on_heard = on_heard
         self.hearing: Hearing | None = None
@@ -129,6 +139,7 @@ class RealtimeSession:
         )
         self.response: ResponseRun | None = None
         self._response_scope: anyio.CancelScope | None = None
+        self._response_ended = anyio.Event()
         self._cancel_reason = "client_cancelled"
         self._vad_in: Any = None
         self._tg: TaskGroup | None = None
@@ -388,6 +399,7 @@ class RealtimeSession:
         if previous is not None and not isinstance(previous, str):
             raise RealtimeError("previous_item_id must be a string", param="previous_item_id")
         before = self.conversation.add(item, previous)
+        inserted = self.conversation.items[-1] is not item
         if isinstance(item, Message) and item.audio is not None and self.hear is not None:
             # Encoded once, here: every later turn reads the same rows, so the model's kept
             # conversation matches them (a response encoding it each time might round
@@ -398,18 +410,40 @@ class RealtimeSession:
         body = item.as_json(beta=self.names.beta)
         await self.send(self.event("conversation.item.added", previous_item_id=before, item=body))
         await self.send(self.event("conversation.item.done", previous_item_id=before, item=body))
+        if inserted:
+            await self._rewind()
 
     async def _item_delete(self, event: dict[str, Any]) -> None:
         item_id = _string(event, "item_id")
         self.conversation.delete(item_id)
         self.spoken.pop(item_id, None)
         await self.send(self.event("conversation.item.deleted", item_id=item_id))
+        await self._rewind()
+
+    async def _rewind(self) -> None:
+        """An earlier item changed: the model rolls what it keeps of the conversation back to
+        the change now, so its memory comes back at the event (the next response would roll
+        it back anyway; ``resume`` never serves stale context). Nothing to do for a model that
+        keeps nothing, or before any response; a conversation the model cannot read is left
+        to the next response, which reports it."""
+        if self.rewind is None or self._kept_system is None:
+            return
+        try:
+            messages = self.conversation.messages(self._kept_system, hears=self.hear is not None)
+        except RealtimeError:
+            return
+        await self.rewind(messages)
 
     async def _item_truncate(self, event: dict[str, Any]) -> None:
         item_id = _string(event, "item_id")
         end_ms = event.get("audio_end_ms")
         if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
             raise RealtimeError("audio_end_ms must be an integer >= 0", param="audio_end_ms")
+        if self.response is not None and self.response.message.id == item_id:
+            # The reply still being made (or ending after a barge-in): stop it and wait until
+            # it has ended, so the item is in the conversation and the model has kept it.
+            self._cancel_response("client_cancelled")
+            await self._response_ended.wait()
         item = self.conversation.items[self.conversation.index(item_id)]
         if not (isinstance(item, Message) and item.role == "assistant" and item.spoken):
             raise RealtimeError(
@@ -420,8 +454,6 @@ class RealtimeSession:
                 f"audio_end_ms {end_ms} is past the item's {item.audio_ms} ms of audio",
                 param="audio_end_ms",
             )
-        if self.response is not None and self.response.message.id == item_id:
-            self._cancel_response("client_cancelled")
         spoken = self.spoken.get(item_id)
         item.text = item.text[: spoken.text_heard(end_ms)] if spoken is not None else ""
         item.audio_ms = end_ms
@@ -433,6 +465,8 @@ class RealtimeSession:
                 audio_end_ms=end_ms,
             )
         )
+        # What the model kept past the text the user heard goes back to the pool now.
+        await self._rewind()
 
     # --- responses -----------------------------------------------------------------------------
 
@@ -469,6 +503,8 @@ class RealtimeSession:
             return
         run = ResponseRun(self.names, config, self.send, self.model_rate, metadata=metadata)
         self.response = run
+        self._response_ended = anyio.Event()
+        self._kept_system = _system(config)
         self._cancel_reason = "client_cancelled"
         scope = anyio.CancelScope()
         self._response_scope = scope
@@ -486,6 +522,7 @@ class RealtimeSession:
         status, reason, usage = "completed", None, {}
         error: dict[str, Any] | None = None
         previous = self.conversation.last_id
+        ended = self._response_ended  # this response's: the next one makes its own
         try:
             with scope:
                 async with self.respond(messages, config) as reply:
@@ -509,6 +546,7 @@ class RealtimeSession:
                 self.response = None
                 self._response_scope = None
                 await run.finish(status, reason, usage, error=error)
+                ended.set()
 
     def _cancel_response(self, reason: str) -> None:
         if self._response_scope is not None:

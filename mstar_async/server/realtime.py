@@ -10,8 +10,9 @@ on the ``silero-vad`` model the server opens beside the served ones. A model tha
 (``info["audio_input_rate"]``) also gets one ``encode_only`` request per user turn, fed the
 turn's speech while it is spoken; these are not counted against the model's in-flight bound
 (they hold no KV cache), as the VAD's are not. A model whose program takes ``session`` keeps
-the conversation's KV between the session's responses (each response passes the session's id)
-and frees it when the session ends.
+the conversation's KV between the session's responses (each response passes the session's id),
+rolls it back when an earlier item changes (``rewind``: a truncated reply's memory comes back at
+the truncate event) and frees it when the session ends.
 """
 
 from __future__ import annotations
@@ -127,6 +128,25 @@ def _forgetter(served: ServedModel, session_id: str) -> Any:
     return forget
 
 
+def _rewinder(served: ServedModel, session_id: str) -> Any:
+    """Rolls what the model kept of the session's conversation back to where it changed; None
+    for a model that keeps nothing."""
+    if "rewind" not in served.inputs:
+        return None
+
+    async def rewind(messages: list[dict[str, Any]]) -> None:
+        try:
+            async with served.runtime.generate(
+                messages=messages, session=session_id, rewind=True
+            ) as out:
+                async for _ in out:
+                    pass
+        except MstarError as exc:  # the next response rolls it back instead
+            log.warning("realtime.rewind_failed", session=session_id, error=repr(exc))
+
+    return rewind
+
+
 def _heard(state: ServerState, model: str) -> Any:
     def record(turn: HeardTurn) -> None:
         state.metrics.turn_audio.labels(model=model).observe(turn.samples / 16_000)
@@ -198,6 +218,7 @@ async def realtime(ws: WebSocket) -> None:
         hear=_hearer(served),
         on_heard=_heard(state, served.name),
         forget=_forgetter(served, session_id),
+        rewind=_rewinder(served, session_id),
         session_id=session_id,
     )
     log.info("realtime.start", session=session.id, model=served.name, beta=beta)

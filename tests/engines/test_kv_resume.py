@@ -35,8 +35,8 @@ def _one_thread() -> Iterator[None]:
 class Counted:
     """The tiny thinker on a paged engine, counting the tokens its forwards compute."""
 
-    def __init__(self, num_blocks: int = 64) -> None:
-        thinker = Thinker(SIZES["tiny"].thinker, VOCAB)
+    def __init__(self, num_blocks: int = 64, capture_layer: int | None = None) -> None:
+        thinker = Thinker(SIZES["tiny"].thinker, VOCAB, capture_layer)
         seeded_init(thinker, 3)
         cfg = thinker.config
         self.engine = KVCacheEngine(
@@ -151,3 +151,56 @@ def test_an_evictable_conversation_gives_way_and_is_recomputed() -> None:
     assert first == _fresh(TURN1 + TURN2)
     world.engine.release("t2")
     assert world.engine.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("departs", [0, 3, 8, 14])
+def test_rewind_frees_the_handle_past_where_a_prompt_departs_at_once(departs: int) -> None:
+    world = Counted()
+    world.run("t1", "retain", handle="conv")
+    reply = world.turn("t1", TURN1)
+    world.engine.release("t1")
+    kept = TURN1 + reply[:2]  # 15 tokens in blocks of 4: 4 blocks
+    assert world.engine.blocks_in_use == 4
+    edited = kept[:departs] + [(t + 1) % VOCAB for t in kept[departs:]]
+    out = world.run("r", "rewind", handle="conv", tokens=torch.tensor(edited))
+    world.engine.release("r")
+    assert out == {"tokens": departs, "embeds_out": None}
+    assert world.engine.handles["conv"] == ("session", departs, -(-departs // 4))
+    assert world.engine.blocks_in_use == -(-departs // 4)  # the rest came back at once
+    world.engine.allocator.check_invariants()
+    # The next turn starts from the rewound conversation and answers as a fresh prefill.
+    world.computed = 0
+    prompt = edited + TURN2
+    first = world.turn("t2", prompt, n=1, resume="conv")[0]
+    assert world.computed == len(prompt) - departs
+    assert first == _fresh(prompt)
+    world.engine.release("t2")
+    world.engine.drop_handle("conv")
+    assert world.engine.blocks_in_use == 0
+    # An unknown handle keeps nothing and fails nothing.
+    assert world.run("r2", "rewind", handle="gone", tokens=[1, 2]) == {
+        "tokens": 0,
+        "embeds_out": None,
+    }
+
+
+def test_rewind_keeps_each_row_that_is_unchanged_and_reports_its_output() -> None:
+    width = SIZES["tiny"].thinker.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, width, generator=gen)
+    at = torch.tensor([2, 3, 4, 8, 9, 10])  # two spoken turns of three rows
+    world = Counted(capture_layer=1)
+    world.run("t1", "retain", handle="conv")
+    made = world.run("t1", "prefill", tokens=torch.tensor(TURN1), embeds=rows, embeds_at=at)
+    world.engine.release("t1")
+    # The second turn's audio is other audio: the rows of the first turn stay, each one
+    # digested alone, and the thinker's rows at them come back for the talker.
+    changed = torch.cat([rows[:3], rows[3:].flip(0)])
+    out = world.run("r", "rewind", handle="conv", tokens=TURN1, embeds=changed, embeds_at=at)
+    assert out["tokens"] == 8
+    assert torch.equal(out["embeds_out"], made["embeds_out"][:3])
+    world.engine.release("r")
+    world.computed = 0
+    first = world.turn("t2", TURN1, n=1, embeds=changed, embeds_at=at, resume="conv")[0]
+    assert world.computed == len(TURN1) - 8
+    assert first == _fresh(TURN1, embeds=changed, embeds_at=at)

@@ -277,7 +277,10 @@ async def test_cancel_and_finish_free_every_kv_block() -> None:
 def test_graph_nests_the_code_predictor_loop_inside_the_talker_loop() -> None:
     model = _model()
     walks = model.walks
-    assert set(walks) == {"listen", "hear", "prefill", "keep", "forget", "text", "voice", "speak"}
+    assert set(walks) == {
+        *("listen", "hear", "prefill", "text", "voice", "speak"),
+        *("keep", "forget", "rewind", "rewind_voice"),
+    }
     speak = walks["speak"].body
     assert isinstance(speak, Sequential)
     thinker, frames, _ = speak.children

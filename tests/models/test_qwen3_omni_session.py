@@ -1,6 +1,7 @@
 """qwen3-omni conversations (``session``): a turn reuses the thinker KV its previous turn kept,
 computing only the new tokens, and answers exactly as a request that prefills the whole
-conversation; a truncated or edited earlier turn rolls the kept KV back to where it changed;
+conversation; a truncated or edited earlier turn rolls the kept KV back to where it changed,
+at the next turn or at once (``rewind``); the talker keeps the user turns' KV the same way;
 ``end_session`` frees it."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.audio_prompt import audio_tokens, build_prompt
-from mstar_async.outputs import AudioChunk, TextDelta
+from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.runtime import open_runtime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -105,4 +106,98 @@ async def test_a_spoken_turn_is_reused_by_the_next_turn() -> None:
         assert thinker.reused_tokens - before == prompt.audio_at[0]
         async with runtime.generate(session="s2", end_session=True) as outputs:
             [o async for o in outputs]
+        assert runtime.batching.kv_blocks_in_use == 0
+
+
+async def _spoken(runtime: Any, messages: list[dict[str, Any]], **inputs: Any) -> list[list[int]]:
+    """The codec frames of a greedy spoken reply (talker and code predictor greedy too)."""
+    given = {"max_tokens": 6, "ignore_eos": True, "max_frames": 6, "voice_temperature": 0.0}
+    with anyio.fail_after(60):
+        async with runtime.generate(messages=messages, return_codes=True, **given, **inputs) as out:
+            return [o.latent.tolist() async for o in out if isinstance(o, LatentOutput)]
+
+
+def _user_rows(conversation: list[dict[str, Any]], audio: int = 0) -> int:
+    """Rows of the user turns in the talker's prompt for ``conversation`` (upstream's user
+    parts: each user turn from its ``<|im_start|>`` to the next), with ``audio`` pads."""
+    tokenizer = ChatTokenizer.from_folder(smollm2_folder())
+    ids = audio_tokens(None, None, None, tokenizer)
+    counts = [audio] * sum(m.get("audio") is not None for m in conversation)
+    prompt = build_prompt(tokenizer, ids, conversation, counts).ids
+    start, user = tokenizer.token_to_id("<|im_start|>"), tokenizer.encode("<|im_start|>user")[1]
+    turns = [i for i, t in enumerate(prompt) if t == start]
+    ends = [*turns[1:], len(prompt)]
+    return sum(e - s for s, e in zip(turns, ends, strict=True) if prompt[s + 1] == user)
+
+
+async def test_the_talker_keeps_the_user_turns_and_speaks_as_a_whole_prefill() -> None:
+    t = torch.arange(16_000) / 16_000
+    pcm = 0.3 * torch.sin(2 * torch.pi * 220 * t)
+    async with open_runtime(build_model("qwen3-omni")) as runtime:
+        talker = runtime.batching.engines["talker"]
+        async with runtime.generate(audio=pcm, encode_only=True) as outputs:
+            rows = torch.cat([o.rows async for o in outputs])
+        conversation: list[dict[str, Any]] = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Listen.", "audio": rows},
+        ]
+        await _spoken(runtime, conversation, session="s3")
+        # Upstream's talker reads every user turn, then the new reply's header: the user
+        # turns lead its prompt and are what the conversation keeps of it.
+        (kind, kept, _) = talker.handles["conversation:s3"]
+        assert kind == "prefix" and kept == _user_rows(conversation, rows.shape[0])
+        conversation += [
+            {"role": "assistant", "content": await _say(runtime, conversation)},
+            {"role": "user", "content": "And the sky?"},
+        ]
+        before = talker.reused_tokens
+        frames = await _spoken(runtime, conversation, session="s3")
+        # Every kept row was reused, the audio's 13 (matched by the thinker's rows there)
+        # included, and the frames are those of a talker that prefilled everything.
+        assert talker.reused_tokens - before == kept
+        assert frames and frames == await _spoken(runtime, conversation)
+        assert talker.handles["conversation:s3"][1] == _user_rows(conversation, rows.shape[0])
+        async with runtime.generate(session="s3", end_session=True) as outputs:
+            [o async for o in outputs]
+        assert talker.handles == {} and runtime.batching.kv_blocks_in_use == 0
+
+
+async def test_rewind_frees_what_a_cut_reply_kept_at_once_and_answers_as_a_fresh_session() -> None:
+    async with open_runtime(build_model("qwen3-omni")) as runtime:
+        thinker, talker = (runtime.batching.engines[n] for n in ("thinker", "talker"))
+        conversation: list[dict[str, Any]] = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about the sea."},
+        ]
+        reply = await _say(runtime, conversation, session="s4", max_tokens=64, speak=True)
+        conversation.append({"role": "assistant", "content": reply})
+        kept = thinker.handles["conversation:s4"][1]
+        voice = talker.handles["conversation:s4"]
+        blocks = runtime.batching.kv_blocks_in_use
+        # The user heard a quarter of the reply: the conversation is cut there, and what the
+        # thinker kept past the cut goes back to the pool as the conversation changes.
+        conversation[-1]["content"] = reply[: len(reply) // 4]
+        async with runtime.generate(messages=conversation, session="s4", rewind=True) as out:
+            assert [o async for o in out] == []
+        rewound = thinker.handles["conversation:s4"][1]
+        assert 0 < rewound < kept - 32
+        freed = blocks - runtime.batching.kv_blocks_in_use
+        assert freed == -(-kept // 16) - -(-rewound // 16) >= 2
+        # The reply is no user turn: the talker's kept user turns stay as they were.
+        assert talker.handles["conversation:s4"] == voice
+        # The next turn starts from exactly what the rewind kept, and answers as a session
+        # that never saw the uncut reply.
+        conversation.append({"role": "user", "content": "And the sky?"})
+        before = thinker.reused_tokens
+        answer = await _say(runtime, conversation, session="s4")
+        assert thinker.reused_tokens - before == rewound
+        assert answer == await _say(runtime, conversation, session="s5")
+        # A user turn deleted: the talker's kept rows go back to before it, at once.
+        async with runtime.generate(messages=conversation[:1], session="s4", rewind=True) as out:
+            [o async for o in out]
+        assert talker.handles["conversation:s4"][1] == 0
+        assert thinker.handles["conversation:s4"][1] < rewound
+        for name in ("s4", "s5"):
+            async with runtime.generate(session=name, end_session=True) as out:
+                [o async for o in out]
         assert runtime.batching.kv_blocks_in_use == 0

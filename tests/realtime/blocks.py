@@ -7,10 +7,11 @@ from typing import Any
 
 
 def request_blocks(runtime: Any) -> int:
-    """Blocks in use minus the thinker's kept conversations' (a request's blocks shared with
-    its conversation are the conversation's)."""
+    """Blocks in use minus what the engines keep of conversations (the thinker's and the
+    talker's; a request's blocks shared with its conversation are the conversation's)."""
     batching = runtime.batching
-    return int(batching.kv_blocks_in_use) - int(batching.engines["thinker"].kept_blocks)
+    kept = sum(int(getattr(e, "kept_blocks", 0)) for e in batching.engines.values())
+    return int(batching.kv_blocks_in_use) - kept
 
 
 async def settled_request_blocks(runtime: Any) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +60,24 @@ class Live:
     async def settled_request_blocks(self) -> int:
         """``request_blocks`` once the sessions have ended (``blocks.settled_request_blocks``)."""
         return await settled_request_blocks(self.app.state.server.models["qwen3-omni"].runtime)
+
+    async def all_released(self) -> None:
+        """Wait (10 s at most) until no request, walk, KV block (kept conversations' too) or
+        VAD stream of any session is left: what closing every socket must come to."""
+        served = self.app.state.server.models["qwen3-omni"]
+        vad = self.app.state.server.vad
+        assert vad is not None
+        with anyio.fail_after(10):
+            while (  # noqa: ASYNC110  (other threads' and engines' counts: no event)
+                self.kv_blocks()
+                or served.admission.in_flight
+                or served.runtime.conductor.active
+                or served.runtime.batching.walks_running
+                or vad.batching.walks_running
+                or vad.batching.engines["vad"].streams
+                or vad.conductor.active
+            ):
+                await anyio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +259,96 @@ async def test_a_changed_conversation_rolls_the_kept_kv_back_to_the_change(live:
         # where the reply began, and none of the reply's 11 fed-back tokens.
         await conn.conversation.item.delete(item_id=reply.id)
         await until(conn, "conversation.item.deleted")
+        # Rolled back as the item went, not at the next response.
+        name = new_conversation(live, before)
+        assert await settled(lambda: live.thinker().handles[name][1] <= kept - 11)
+        rewound = live.thinker().handles[name][1]
         reused = live.thinker().reused_tokens
         await conn.conversation.item.create(item=TEXT_TURN)
         await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
         assert (await until(conn, "response.done")).response.status == "completed"
         rolled_back = live.thinker().reused_tokens - reused
-    assert 0 < rolled_back <= kept - 11
+    assert 0 < rolled_back == rewound
+
+
+async def settled(holds: Callable[[], bool]) -> bool:
+    """Whether ``holds()`` comes true within 10 s (polled: the server's own loop and threads
+    change the counts it reads)."""
+    with anyio.move_on_after(10):
+        while not holds():  # noqa: ASYNC110  (engine counts: no event to wait on)
+            await anyio.sleep(0.01)
+    return holds()
+
+
+async def no_other_conversations(live: Live) -> None:
+    """Wait until earlier tests' sessions have freed what they kept, so this test's counts
+    are its own."""
+    assert await settled(lambda: not live.kv_blocks())
+
+
+async def test_truncating_a_reply_gives_its_kv_back_at_the_event(live: Live) -> None:
+    await no_other_conversations(live)
+    thinker = live.thinker()
+    before = set(thinker.handles)
+    async with connect(live) as conn:
+        await conn.session.update(session={**MANUAL, "temperature": 0})
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 200})
+        done = await until(conn, "response.done")
+        message = done.response.output[0]
+        full = message.content[0].transcript
+        name = new_conversation(live, before)
+        kept, blocks = thinker.handles[name][1], thinker.blocks_in_use
+        # The user heard none of the speech: the tiny model had written the first ~200 of the
+        # transcript's ~1,400 characters when its first audio was made, and keeps those.
+        await conn.conversation.item.truncate(item_id=message.id, content_index=0, audio_end_ms=0)
+        await until(conn, "conversation.item.truncated")
+        assert await settled(lambda: thinker.blocks_in_use < blocks)
+        rewound = thinker.handles[name][1]
+        assert 0 < rewound < kept - 64
+        assert blocks - thinker.blocks_in_use == -(-kept // 16) - -(-rewound // 16)
+        await conn.conversation.item.retrieve(item_id=message.id)
+        heard = (await until(conn, "conversation.item.retrieved")).item.content[0].transcript
+        assert 0 < len(heard) < len(full) // 2
+        # The next turn starts from exactly what the truncate kept, and answers as a session
+        # that was told the cut conversation from the start.
+        reused = thinker.reused_tokens
+        await conn.conversation.item.create(item=TEXT_TURN)
+        answer = await text_reply(conn)
+        assert thinker.reused_tokens - reused == rewound
+    async with connect(live) as fresh:
+        await fresh.session.update(session={**MANUAL, "temperature": 0})
+        assistant = {"type": "output_text", "text": heard}
+        for item in (TEXT_TURN, {"type": "message", "role": "assistant", "content": [assistant]}):
+            await fresh.conversation.item.create(item=item)
+        await fresh.conversation.item.create(item=TEXT_TURN)
+        assert answer == await text_reply(fresh)
+    await live.all_released()
+
+
+async def test_truncating_the_reply_being_played_stops_it_then_cuts_it(live: Live) -> None:
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await conn.conversation.item.create(item=TEXT_TURN)
+        await conn.response.create(response={"max_output_tokens": 200})
+        delta = await until(conn, "response.output_audio.delta")
+        await conn.conversation.item.truncate(
+            item_id=delta.item_id, content_index=0, audio_end_ms=0
+        )
+        seen: list[Any] = []
+        truncated = await until(conn, "conversation.item.truncated", seen)
+        done = next(e for e in seen if e.type == "response.done")
+        assert done.response.status == "cancelled" and truncated.item_id == delta.item_id
+        assert not [e for e in seen if e.type == "error"]
+    await live.all_released()
+
+
+async def text_reply(conn: Any) -> str:
+    """A text response to the conversation so far (8 tokens at most): its text."""
+    await conn.response.create(response={"max_output_tokens": 8, "output_modalities": ["text"]})
+    done = await until(conn, "response.done")
+    assert done.response.status == "completed"
+    return str(done.response.output[0].content[0].text)
 
 
 BAD_EVENTS = [
@@ -641,9 +743,6 @@ async def receive_until(ws: Any, kind: str) -> tuple[list[str], dict[str, Any]]:
 
 
 async def test_twenty_turns_reuse_the_conversation_and_leave_nothing_behind(live: Live) -> None:
-    served = live.app.state.server.models["qwen3-omni"]
-    vad = live.app.state.server.vad
-    assert vad is not None
     reused = live.thinker().reused_tokens
     async with connect(live) as conn:
         await conn.session.update(session={"type": "realtime"})  # server VAD on
@@ -662,14 +761,4 @@ async def test_twenty_turns_reuse_the_conversation_and_leave_nothing_behind(live
         assert await live.settled_request_blocks() == 0 < live.kv_blocks()  # conversation kept
     # The socket is closed: every request, walk, KV block (the kept conversation's too: the
     # session frees it as it ends) and VAD stream of it is gone.
-    with anyio.fail_after(10):
-        while (  # noqa: ASYNC110  (other threads' and engines' counts: no event)
-            live.kv_blocks()
-            or served.admission.in_flight
-            or served.runtime.conductor.active
-            or served.runtime.batching.walks_running
-            or vad.batching.walks_running
-            or vad.batching.engines["vad"].streams
-            or vad.conductor.active
-        ):
-            await anyio.sleep(0.02)
+    await live.all_released()

@@ -13,11 +13,18 @@ predictor decodes each frame from scratch); a request's random generator outlive
 A step's rows are computed up to its token budget per forward (a long talker prompt is split
 over forwards), and whether they get KV blocks is the shared admission rule of
 ``engines/kv/admission.py``: wait when memory is short, fail alone when it could never fit.
+
+A sequence's leading rows may outlive its request under a handle (``engines/kv/handles.py``, as
+``KVCacheEngine``'s conversations): an op with ``keys`` says what its step's leading rows *are*;
+a request that ``retain``-ed keeps them, and a later step with ``resume`` starts from the longest
+prefix of them its own keys share, computing only the rest (the talker's user turns, which a
+conversation's next turn repeats). ``rewind`` cuts a handle back to a prefix at once, and
+evictable handles give way when admission needs room.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +38,8 @@ from mstar_async.engines.kv import (
 )
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
+from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore
+from mstar_async.engines.kv.sequences import HandleKey
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
 from mstar_async.engines.sampling import (
@@ -44,6 +53,8 @@ from mstar_async.errors import EngineError
 __all__ = ["EmbedsKVEngine", "EmbedsOp", "Sampler"]
 
 _GREEDY = SamplingParams(temperature=0.0)
+#: Ops the engine serves besides the model's: state kept beyond a request.
+HANDLE_OPS = ("retain", "drop", "rewind")
 
 
 class _Stack(Protocol):
@@ -60,6 +71,10 @@ class EmbedsOp:
             one output mapping per step.
         fresh: drop the request's KV before the step (a new sequence every call).
         cost: a step's inputs -> the rows it feeds (the worker's token budget counts them).
+        keys: a step's inputs -> what each of its *leading* rows is (``prefill_rows.
+            prompt_keys``), for the rows a later request of the same conversation may take
+            from a handle instead of computing them; None: no row is ever reused. Only a step
+            that starts its request's sequence is keyed.
     """
 
     embed: Callable[[Mapping[str, Any]], torch.Tensor]
@@ -69,6 +84,7 @@ class EmbedsOp:
     ]
     fresh: bool = False
     cost: Callable[[Mapping[str, Any]], int] = lambda inputs: 1
+    keys: Callable[[Mapping[str, Any]], list[Hashable]] | None = None
 
 
 @dataclass
@@ -100,6 +116,18 @@ class EmbedsKVEngine:
     sampling generator comes from the ``sampling`` input (``SamplingParams``) of its first step
     that carries one (greedy otherwise) and lives until ``release``.
 
+    Besides the model's ops (a step of one may carry ``resume``: a handle to start from), the
+    handle ops, bookkeeping only:
+
+    - ``retain``: ``handle``, optional ``evictable`` -> ``{}``. When the request is released,
+      its sequence's keyed leading rows are kept under ``handle`` (replacing one of that name):
+      never evicted, or with ``evictable`` evicted least recently used when admission needs
+      room.
+    - ``drop``: ``handle`` -> ``dropped`` (bool).
+    - ``rewind``: ``handle``, ``keys`` -> ``tokens``: the handle cut back to the longest prefix
+      it shares with ``keys`` (the rule ``resume`` applies), its blocks past that freed now;
+      0 for an unknown handle.
+
     Raises:
         ValueError: neither or both of ``kv_cache_bytes`` and ``num_blocks``; no ops.
     """
@@ -129,16 +157,35 @@ class EmbedsKVEngine:
             owner="EmbedsKVEngine",
         )
         self.backend = select_attention_backend(self.device, spec)
-        self.admission = Admission(self.allocator)
+        self._handles = HandleStore(self.allocator)
+        self.admission = Admission(self.allocator, owner=_owner, evict=self._handles.evict_lru)
         self.stack = stack
         self.ops = dict(ops)
         self._samplers: dict[str, Sampler] = {}
         self._pending: dict[str, _Pending] = {}
+        self._keys: dict[str, list[Hashable]] = {}  # request -> its sequence's keyed rows
+        #: Rows ``resume`` took from handles instead of computing them.
+        self.reused_tokens = 0
 
     @property
     def blocks_in_use(self) -> int:
-        """KV blocks held by live sequences."""
+        """KV blocks held by live sequences (handles' included)."""
         return self.allocator.num_used_blocks
+
+    @property
+    def handles(self) -> dict[str, tuple[str, int, int]]:
+        """Every handle -> (kind: ``"session"`` or ``"prefix"``, rows, blocks it holds)."""
+        return self._handles.summary()
+
+    @property
+    def kept_blocks(self) -> int:
+        """Distinct KV blocks that handles hold (some may be shared with live sequences)."""
+        return self._handles.kept_blocks
+
+    def drop_handle(self, handle: str) -> bool:
+        """Free ``handle``'s blocks (those shared with live forks stay until they end); return
+        whether it existed. Never raises; call it between forwards."""
+        return self._handles.drop(handle)
 
     def cost(self, step: Step) -> int:
         """Rows the step still feeds (what is left of its prompt, or 1)."""
@@ -149,7 +196,8 @@ class EmbedsKVEngine:
         return 1 if op is None else max(1, op.cost(step.inputs))
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        """One forward over every step that gets KV blocks: up to its budget of its rows.
+        """One forward over every step that gets KV blocks: up to its budget of its rows
+        (handle ops first, which take no blocks).
 
         A step with rows left after this forward gets ``None`` (come back); a step the pool
         cannot hold now gets ``WAIT``; one that could never fit (or the newest of requests that
@@ -159,6 +207,24 @@ class EmbedsKVEngine:
         Raises:
             EngineError: an unknown op, or an op's ``embed`` returning no rows.
         """
+        handled = {i: self._handle_op(s) for i, s in enumerate(steps) if s.op in HANDLE_OPS}
+        rest = [s for i, s in enumerate(steps) if i not in handled]
+        outcomes = iter(self._forward_rows(rest) if rest else [])
+        return [handled[i] if i in handled else next(outcomes) for i in range(len(steps))]
+
+    def _handle_op(self, step: Step) -> StepResult:
+        name = step.inputs.get("handle")
+        if not isinstance(name, str) or not name:
+            return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
+        if step.op == "drop":
+            return {"dropped": self._handles.drop(name)}
+        if step.op == "retain":
+            kind = PREFIX if step.inputs.get("evictable") else SESSION
+            self._handles.retain(step.request_id, step.request_id, name, kind)
+            return {}
+        return {"tokens": self._handles.rewind(name, list(step.inputs.get("keys") or ())) or 0}
+
+    def _forward_rows(self, steps: Sequence[Step]) -> list[StepResult]:
         demands: list[Demand] = []
         chunks: list[int] = []
         seen: set[str] = set()
@@ -196,6 +262,7 @@ class EmbedsKVEngine:
             "kv": kv,
             "sampling": sampler.params,
             "generator": None if generator is None else generator.get_state(),
+            "keys": self._keys.get(request_id),
         }
         self.release(request_id)
         return state
@@ -218,9 +285,19 @@ class EmbedsKVEngine:
         if generator is not None and state["generator"] is not None:
             generator.set_state(state["generator"])
         self._samplers[request_id] = Sampler(params, generator)
+        if state.get("keys") is not None:
+            self._keys[request_id] = list(state["keys"])
 
     def release(self, request_id: str) -> None:
-        """Free the request's KV blocks, generator and any half-fed step; idempotent."""
+        """Keep the keyed rows the request retained under their handle, then free its KV
+        blocks, generator and any half-fed step; idempotent."""
+        keys = self._keys.pop(request_id, None) or []
+        for seq, (name, kind) in self._handles.released(request_id).items():
+            kept = min(len(keys), self.allocator.num_tokens(seq)) if self.allocator.has(seq) else 0
+            if kept:
+                sampler = self._samplers.get(request_id)
+                params = _GREEDY if sampler is None else sampler.params
+                self._handles.keep(name, seq, kind, params, keys[:kept], tokens=kept)
         self._drop_kv(request_id)
         self._samplers.pop(request_id, None)
         self._pending.pop(request_id, None)
@@ -233,13 +310,37 @@ class EmbedsKVEngine:
             op = self._op(step.op)
             if op.fresh:
                 self._drop_kv(step.request_id)
-            self._start(step)
             x = op.embed(step.inputs)
             if x.dim() != 2 or x.shape[0] == 0:
                 raise EngineError(f"op {step.op!r} embedded its inputs as {tuple(x.shape)}")
-            pending = _Pending(step, x.to(self.device))
+            skip = self._resume(step, op, x.shape[0])
+            self._start(step)
+            pending = _Pending(step, x[skip:].to(self.device))
             self._pending[step.request_id] = pending
         return int(pending.rows.shape[0])
+
+    def _resume(self, step: Step, op: EmbedsOp, rows: int) -> int:
+        """For a keyed step that starts its request's sequence, of a request that keeps or
+        resumes a conversation: record its keys and, with ``resume``, start the sequence as
+        the handle's rows its keys share (all but its last row at most); returns the rows
+        taken."""
+        rid = step.request_id
+        name = step.inputs.get("resume")
+        if (
+            op.keys is None
+            or not (name or self._handles.retains(rid))
+            or (self.allocator.has(rid) and self.allocator.num_tokens(rid))
+        ):
+            return 0  # keys digest rows: made only when something may use them
+        keys = op.keys(step.inputs)
+        self._keys[rid] = keys
+        shared = min(self._handles.shared(name, keys), rows - 1) if name else 0
+        if shared <= 0:
+            return 0
+        self._drop_kv(rid)
+        self._handles.fork(str(name), rid, shared)
+        self.reused_tokens += shared
+        return shared
 
     def _op(self, name: str) -> EmbedsOp:
         op = self.ops.get(name)
@@ -292,3 +393,8 @@ class EmbedsKVEngine:
             )
             for i, out in zip(chosen, outputs, strict=True):
                 results[i] = out
+
+
+def _owner(seq: Hashable) -> str | None:
+    """The request an allocator sequence belongs to; None for a handle's."""
+    return None if isinstance(seq, HandleKey) else str(seq)

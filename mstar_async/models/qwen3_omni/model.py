@@ -19,7 +19,9 @@ streamed walk input (walk ``listen`` while the user talks, ``hear`` for whole au
 replace the audio placeholders' embeddings in ``thinker_prefill`` (see ``audio_prompt``).
 
 Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt) and
-``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``). The
+``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``); ``keep``,
+``forget``, ``rewind`` and ``rewind_voice`` look after a conversation's KV kept between turns
+(the thinker's whole conversation, the talker's user turns). The
 talker's loop reads the thinker's tokens one per frame and goes on after they end, with
 ``tts_pad`` rows until codec end-of-speech, so code2wav sees one uninterrupted grid of windows.
 The talker gets the thinker's input embedding rows (of the prompt, the first token, each streamed
@@ -32,6 +34,7 @@ finishes windows, interleaved.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
@@ -50,6 +53,7 @@ from mstar_async.graph import (
     LoopStep,
     Model,
     Node,
+    Parallel,
     Sequential,
     TokenCounter,
     Walk,
@@ -89,7 +93,12 @@ from mstar_async.models.qwen3_omni.frame_loop import (
     predictor_nodes,
     stack_engine,
 )
-from mstar_async.models.qwen3_omni.talker import TalkerTokens, predictor_ops, talker_ops
+from mstar_async.models.qwen3_omni.talker import (
+    TalkerTokens,
+    predictor_ops,
+    talker_keys,
+    talker_ops,
+)
 from mstar_async.models.qwen3_omni.thinker_engine import ThinkerEngine
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
@@ -219,16 +228,42 @@ def _nodes(audio: bool) -> list[Node]:
             # rows, tts: input embeddings of the token, of the prompt, of the tts specials.
             outputs=["token", "embeds_out", "row", "rows", "tts"],
         ),
-        # A conversation's thinker KV kept between its turns (see the program's ``session``).
+        # A conversation's KV kept between its turns (see the program's ``session``): the
+        # thinker's whole conversation, the talker's user turns.
         Node("thinker_keep", engine="thinker", op="retain", inputs=["handle", "evictable"]),
         Node("thinker_forget", engine="thinker", op="drop", inputs=["handle"], outputs=["dropped"]),
+        Node(
+            "thinker_rewind",
+            engine="thinker",
+            op="rewind",
+            inputs=["handle", "tokens", "embeds", "embeds_at"],
+            outputs=["tokens", "embeds_out"],
+        ),
+        Node("talker_keep", engine="talker", op="retain", inputs=["handle", "evictable"]),
+        Node("talker_forget", engine="talker", op="drop", inputs=["handle"], outputs=["dropped"]),
+        Node(
+            "talker_rewind",
+            engine="talker",
+            op="rewind",
+            inputs=["handle", "keys"],
+            outputs=["tokens"],
+        ),
         Node("thinker_text", engine="thinker", op="decode", inputs=["token"], outputs=["token"]),
         Node("thinker", engine="thinker", op="decode", inputs=["token"], outputs=["token", "row"]),
         Node(
             "talker_prefill",
             engine="talker",
             op="prefill",
-            inputs=["prompt", "rows", "first", "tts", "speaker", "audio_hidden", "sampling"],
+            inputs=[
+                "prompt",
+                "rows",
+                "first",
+                "tts",
+                "speaker",
+                "audio_hidden",
+                "sampling",
+                "resume",
+            ],
             outputs=["code", "context"],
         ),
         *predictor_nodes(),
@@ -301,8 +336,18 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
             "thinker_prefill",
             outputs=["thinker_prefill.token", "thinker_prefill.embeds_out"],
         ),
-        Walk("keep", "thinker_keep"),
-        Walk("forget", "thinker_forget", outputs=["thinker_forget.dropped"]),
+        Walk("keep", Parallel("thinker_keep", "talker_keep")),
+        Walk(
+            "forget",
+            Parallel("thinker_forget", "talker_forget"),
+            outputs=["thinker_forget.dropped", "talker_forget.dropped"],
+        ),
+        Walk(
+            "rewind",
+            "thinker_rewind",
+            outputs=["thinker_rewind.tokens", "thinker_rewind.embeds_out"],
+        ),
+        Walk("rewind_voice", "talker_rewind"),
         Walk("text", text, outputs=["thinker_text.token"]),
         Walk("voice", "talker_prefill", outputs=["talker_prefill.code"]),
         Walk(
@@ -416,8 +461,58 @@ async def _heard(
 
 
 def _handle(session: str) -> str:
-    """The thinker KV handle of conversation ``session``."""
+    """The KV handle (thinker's and talker's) of conversation ``session``."""
     return f"conversation:{session}"
+
+
+def _placed(
+    rows: list[torch.Tensor], audio_at: list[int]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A prefill's ``embeds`` and ``embeds_at``: the audio parts' rows (the first
+    ``len(rows)`` parts) at their placeholders."""
+    if not rows:
+        return None, None
+    at = [torch.arange(r.shape[0]) + a for r, a in zip(rows, audio_at[: len(rows)], strict=True)]
+    return torch.cat(rows), torch.cat(at)
+
+
+async def _rewind(
+    request: Any,
+    cfg: OmniConfig,
+    tokenizer: ChatTokenizer,
+    tokens: TalkerTokens,
+    audio_ids: AudioTokens,
+    max_samples: int,
+    session: str,
+    messages: list[dict[str, Any]],
+) -> None:
+    """Cut what conversation ``session`` keeps (the thinker's, then the talker's) back to
+    where ``messages`` departs from it, freeing the rest now: the rule a next turn's
+    ``resume`` applies, applied as the conversation changes. Nothing is encoded: a message's
+    audio given as PCM rather than rows ends what can be matched.
+
+    Raises:
+        ValueError: audio the model cannot take (see ``check_audio``); the template cannot
+            render the messages.
+    """
+    width = cfg.thinker.hidden_size
+    parts = [check_audio(m, cfg.audio, width, max_samples) for m in messages]
+    audio = [a for a in parts if a is not None]
+    assert cfg.audio is not None or not audio  # check_audio refused audio without an encoder
+    counts = [audio_rows(cfg.audio, a) for a in audio] if cfg.audio is not None else []
+    # The prompt a next turn would start with: the conversation, then the reply's header,
+    # which the thinker does not keep (that next turn has a user turn there first).
+    prompt = build_prompt(tokenizer, audio_ids, messages, counts)
+    ids = torch.tensor(prompt.ids)
+    header = max(i for i, t in enumerate(prompt.ids) if t == tokens.im_start)
+    rows = list(itertools.takewhile(lambda a: a.dim() == 2, audio))
+    embeds, embeds_at = _placed(rows, prompt.audio_at)
+    handle = _handle(session)
+    kept = await request.run(
+        "rewind", handle=handle, tokens=ids[:header], embeds=embeds, embeds_at=embeds_at
+    )
+    keys = talker_keys(tokens, ids, kept["embeds_out"])
+    await request.run("rewind_voice", handle=handle, keys=keys)
 
 
 def _program(
@@ -436,6 +531,7 @@ def _program(
         encode_only: bool = False,
         session: str | None = None,
         end_session: bool = False,
+        rewind: bool = False,
         max_tokens: int = 64,
         speak: bool = True,
         seed: int = 0,
@@ -470,6 +566,15 @@ def _program(
                 raise ValueError("end_session needs session=<the conversation's name>")
             await request.run("forget", handle=_handle(session))
             return
+        if rewind:
+            # An earlier item changed (a reply truncated where the user stopped listening):
+            # the kept KV past the change goes back to the pool now.
+            if not session:
+                raise ValueError("rewind needs session=<the conversation's name>")
+            await _rewind(
+                request, cfg, tokenizer, tokens, audio_ids, max_samples, session, messages or []
+            )
+            return
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         voice = (speaker or next(iter(tokens.speakers))).lower()
@@ -478,14 +583,7 @@ def _program(
         conversation, rows = await _heard(request, cfg, max_samples, text, messages, audio)
         prompt = build_prompt(tokenizer, audio_ids, conversation, [r.shape[0] for r in rows])
         ids = torch.tensor(prompt.ids)
-        embeds = torch.cat(rows) if rows else None
-        embeds_at = (
-            torch.cat(
-                [torch.arange(r.shape[0]) + at for r, at in zip(rows, prompt.audio_at, strict=True)]
-            )
-            if rows
-            else None
-        )
+        embeds, embeds_at = _placed(rows, prompt.audio_at)
         stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
@@ -497,8 +595,9 @@ def _program(
         )
         detok = IncrementalDecoder(tokenizer)
         if session:
-            # Keep this turn's thinker KV for the next (evictable: a turn that finds it gone
-            # computes the conversation again), and start from the last turn's.
+            # Keep this turn's KV for the next (evictable: a turn that finds it gone computes
+            # the conversation again), and start from the last turn's: the thinker's whole
+            # conversation, the talker's user turns.
             await request.run("keep", handle=_handle(session), evictable=True)
         prefill = await request.run(
             "prefill",
@@ -532,6 +631,7 @@ def _program(
                     speaker=tokens.speakers[voice],
                     audio_hidden=prefill["embeds_out"],
                     sampling=voice_params,
+                    resume=_handle(session) if session else None,
                 )
             )["code"]
         if code0 is None or int(code0) == tokens.codec_eos:

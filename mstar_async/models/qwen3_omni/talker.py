@@ -18,7 +18,10 @@ The talker's prompt is built as upstream's ``_get_talker_user_parts`` /
 ``text_projection``, except at audio positions, where the thinker's hidden state after
 ``accept_hidden_layer`` layers goes through ``hidden_projection``; then the assistant header
 with ``tts_pad`` x4 + ``tts_bos`` + the first generated text token on the text side and
-``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side.
+``nothink, think_bos, think_eos, speaker, pad, bos`` on the codec side. Upstream builds it
+afresh each turn from the whole conversation, but only its user turns lead it, and a
+conversation's next turn repeats them: their rows are keyed (``talker_keys``), so a
+conversation keeps their KV and its next turn computes only the new user turn and the header.
 
 The talker never looks a token up in the thinker's embedding table: as upstream's talker reads
 the thinker's ``hidden_states[0]``, it gets the thinker's input embedding rows themselves (the
@@ -28,7 +31,7 @@ of the thinker's weights. ``prompt_layout`` says which prompt positions' rows it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_async.engines.kv.prefill_rows import prompt_keys
 from mstar_async.errors import EngineError
 from mstar_async.graph import StreamEnd
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
@@ -54,6 +58,7 @@ __all__ = [
     "predictor_ops",
     "prompt_layout",
     "sample_code0",
+    "talker_keys",
     "talker_ops",
     "talker_prompt",
     "text_row",
@@ -267,6 +272,21 @@ def prompt_layout(prompt: Sequence[int], tokens: TalkerTokens) -> PromptLayout |
     return PromptLayout(user, heard, a, len(prompt))
 
 
+def _chat_layout(prompt: Sequence[int], tokens: TalkerTokens) -> PromptLayout:
+    """``prompt_layout``, for a prompt the talker must speak to.
+
+    Raises:
+        EngineError: the prompt has no ``<|im_start|>`` + assistant header.
+    """
+    layout = prompt_layout(prompt, tokens)
+    if layout is None:
+        raise EngineError(
+            "the talker needs a chat prompt ending in an assistant header "
+            "(<|im_start|>assistant); build it with the chat template"
+        )
+    return layout
+
+
 def _from_thinker(talker: Talker, rows: torch.Tensor) -> torch.Tensor:
     """Thinker rows on the talker's device (they may come from another rank) and in its dtype
     (the same one: a no-op)."""
@@ -300,12 +320,7 @@ def talker_prompt(
             match its layout, or audio placeholders in user turns come without as many
             ``audio_hidden`` rows.
     """
-    layout = prompt_layout([int(t) for t in prompt.reshape(-1).tolist()], tokens)
-    if layout is None:
-        raise EngineError(
-            "the talker needs a chat prompt ending in an assistant header "
-            "(<|im_start|>assistant); build it with the chat template"
-        )
+    layout = _chat_layout([int(t) for t in prompt.reshape(-1).tolist()], tokens)
     want = len(layout.text)
     if rows is None or rows.dim() != 2 or rows.shape[0] != want:
         got = None if rows is None else tuple(rows.shape)
@@ -330,6 +345,31 @@ def talker_prompt(
     codec = torch.cat([codec.new_zeros(k, codec.shape[1]), codec])
     parts = [_user_rows(talker, layout, rows[:user], audio_hidden)] if layout.user else []
     return torch.cat([*parts, text + codec])
+
+
+def talker_keys(
+    tokens: TalkerTokens, prompt: torch.Tensor, audio_hidden: torch.Tensor | None
+) -> list[Hashable]:
+    """What each of the talker prompt's user-turn rows *is*, in order
+    (``prefill_rows.prompt_keys``): a text row its thinker id, an audio row its id with a
+    digest of the thinker row it projects. They lead the talker's prompt, and a
+    conversation's next turn repeats them (upstream's talker reads every user turn, then the
+    new reply's header), so they are the rows a next turn may take from a kept handle.
+    ``audio_hidden`` may hold rows for a leading run of the audio positions only (what a
+    rewound thinker still keeps): the keys then stop at the first audio position without one.
+
+    Raises:
+        EngineError: as ``talker_prompt``.
+    """
+    ids = [int(t) for t in prompt.reshape(-1).tolist()]
+    layout = _chat_layout(ids, tokens)
+    user = [ids[p] for p in layout.user]
+    heard = set(layout.heard)
+    at = [i for i, p in enumerate(layout.user) if p in heard]
+    known = min(len(at), 0 if audio_hidden is None else int(audio_hidden.shape[0]))
+    rows = audio_hidden[:known] if audio_hidden is not None and known else None
+    keys = prompt_keys(user, rows, torch.tensor(at[:known], dtype=torch.long))
+    return keys if known == len(at) else keys[: at[known]]
 
 
 def _user_rows(
@@ -383,8 +423,10 @@ def talker_ops(talker: Talker, tokens: TalkerTokens) -> dict[str, EmbedsOp]:
       ``prompt_layout(...).text``), ``first`` (the thinker's first token's row), ``tts`` (rows
       of ``tts_bos``, ``tts_eos``, ``tts_pad``), ``speaker`` (codec speaker id),
       ``audio_hidden`` (the thinker's rows at the prompt's audio placeholders, or None),
-      ``sampling`` -> ``code`` (codebook 0 of frame 0), ``context`` (``[2, hidden]``: the code
-      predictor's first rows).
+      ``sampling``, optional ``resume`` (a conversation's handle: its kept user-turn rows are
+      reused) -> ``code`` (codebook 0 of frame 0), ``context`` (``[2, hidden]``: the code
+      predictor's first rows). Its user-turn rows are keyed (``talker_keys``), for
+      ``retain``.
     - ``decode``: ``text`` (the text stream's chunk holding the next thinker token's row, or
       ``StreamEnd`` after the text), ``tts``, ``code`` (this frame's codebook 0), ``codes`` (its
       residual codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for
@@ -422,8 +464,16 @@ def talker_ops(talker: Talker, tokens: TalkerTokens) -> dict[str, EmbedsOp]:
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
+    def prefill_keys(inputs: Mapping[str, Any]) -> list[Hashable]:
+        return talker_keys(tokens, inputs["prompt"], inputs.get("audio_hidden"))
+
     return {
-        "prefill": EmbedsOp(prefill_rows, prefill_done, cost=lambda i: len(i["prompt"]) + 8),
+        "prefill": EmbedsOp(
+            prefill_rows,
+            prefill_done,
+            cost=lambda i: len(i["prompt"]) + 8,
+            keys=prefill_keys,
+        ),
         "decode": EmbedsOp(decode_rows, decode_done),
     }
 
