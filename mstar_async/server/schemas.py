@@ -17,6 +17,8 @@ from mstar_async.server.speech_models import VoiceID
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+#: > 0, 1 off: a repeated token's logit divided by it (multiplied where negative).
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -81,8 +83,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class SpeechRequest(Struct, kw_only=True):
-    """``POST /v1/audio/speech``; ``seed``, ``temperature``, ``top_p``, ``max_tokens`` are
-    extensions passed to the model when its program takes them."""
+    """``POST /v1/audio/speech``; ``seed``, ``temperature``, ``top_p``, ``max_tokens`` and
+    ``repetition_penalty`` are extensions passed to the model when its program takes them."""
 
     model: str
     input: Annotated[str, Meta(min_length=1)]  # its length limit is the model's (limits.py)
@@ -95,6 +97,7 @@ class SpeechRequest(Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     max_tokens: PositiveInt | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     #: One-off cloning (models that clone voices): base64 of a reference recording, and
     #: what it says (without it, the speaker embedding alone is used).
     ref_audio: str | None = None

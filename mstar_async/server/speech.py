@@ -119,6 +119,7 @@ def _extensions(body: SpeechRequest) -> dict[str, Any]:
         "temperature": body.temperature,
         "top_p": body.top_p,
         "max_tokens": body.max_tokens,
+        "repetition_penalty": body.repetition_penalty,
     }
 
 

@@ -33,7 +33,7 @@ MEDIA_TYPES = {
     "pcm16": "audio/pcm",
 }
 #: Sampling fields a speech request may pass on when the model's program takes them.
-EXTENSIONS = ("seed", "temperature", "top_p", "max_tokens")
+EXTENSIONS = ("seed", "temperature", "top_p", "max_tokens", "repetition_penalty")
 
 
 class VoiceID(Struct):

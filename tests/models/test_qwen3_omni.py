@@ -17,7 +17,13 @@ from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.code2wav import chunked_decode
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention
 from mstar_async.models.qwen3_omni.model import seeded_config, talker_tokens
-from mstar_async.models.qwen3_omni.talker import TTS_EOS, TTS_PAD, TalkerTokens, talker_prompt
+from mstar_async.models.qwen3_omni.talker import (
+    REPETITION_PENALTY,
+    TTS_EOS,
+    TTS_PAD,
+    TalkerTokens,
+    talker_prompt,
+)
 from mstar_async.models.qwen3_omni.thinker_engine import talker_rows, tts_rows
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
@@ -113,8 +119,11 @@ def _reference(
     max_tokens: int,
     speaker: int,
     max_frames: int,
+    penalty: float,
 ) -> tuple[list[int], list[list[int]]]:
-    """The whole greedy data flow, sequentially, on dense attention recomputed every step."""
+    """The whole greedy data flow, sequentially, on dense attention recomputed every step;
+    codebook 0 takes transformers' repetition ``penalty`` over codebook 0 of the frames so
+    far."""
     thinker, talker = parts.thinker(), parts.talker()
     predictor = talker.code_predictor
     text: list[int] = []
@@ -123,8 +132,11 @@ def _reference(
         hidden = thinker(seq, DenseCausalAttention(len(seq)))
         text.append(int(thinker.compute_logits(hidden[-1]).argmax()))
 
-    def code0(h: torch.Tensor) -> int:
+    def code0(h: torch.Tensor, frames: list[list[int]]) -> int:
         logits = talker.codec_head(h)
+        seen = torch.tensor(sorted({f[0] for f in frames}), dtype=torch.long)
+        x = logits[seen]
+        logits[seen] = torch.where(x < 0, x * penalty, x / penalty)
         logits[tokens.codebook_size :] = float("-inf")
         logits[tokens.codec_eos] = talker.codec_head(h)[tokens.codec_eos]
         return int(logits.argmax())
@@ -137,8 +149,8 @@ def _reference(
         talker, tokens, torch.tensor(ids), prompt_rows, table[text[0]], tts, speaker
     )
     hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
-    code = code0(hidden)
     frames: list[list[int]] = []
+    code = code0(hidden, frames)
     # Upstream's trailing text: the tokens after the first, one per frame, tts_eos in place of
     # the last, then tts_pad.
     feed = [*(table[t] for t in text[1:-1]), tts[TTS_EOS]]
@@ -155,7 +167,7 @@ def _reference(
         row = talker.frame_embedding(torch.tensor(frame)) + talker.text_projection(text_row)
         rows = torch.cat([rows, row[None]])
         hidden = talker.model(rows, DenseCausalAttention(len(rows)))[-1]
-        code = code0(hidden)
+        code = code0(hidden, frames)
         if code == tokens.codec_eos:
             break
     return text, frames
@@ -163,30 +175,38 @@ def _reference(
 
 async def test_runtime_matches_a_dense_sequential_reference(tokenizer: ChatTokenizer) -> None:
     max_tokens, max_frames = 10, 16
+    penalties = (REPETITION_PENALTY, 1.0, 3.0)  # upstream's default, none, a strong one
+    spoken: dict[float, list[list[int]]] = {}
     async with open_runtime(_model()) as runtime:
-        out = await _collect(
-            runtime,
-            text=PROMPT,
-            max_tokens=max_tokens,
-            max_frames=max_frames,
-            return_codes=True,
-            **GREEDY,
-        )
-    frames = [o.latent.tolist() for o in out if isinstance(o, LatentOutput)]
+        for penalty in penalties:
+            out = await _collect(
+                runtime,
+                text=PROMPT,
+                max_tokens=max_tokens,
+                max_frames=max_frames,
+                return_codes=True,
+                repetition_penalty=penalty,
+                **GREEDY,
+            )
+            spoken[penalty] = [o.latent.tolist() for o in out if isinstance(o, LatentOutput)]
     parts, tokens = _parts(tokenizer)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
-    with torch.inference_mode():
-        text, want = _reference(
-            parts,
-            tokens,
-            tokenizer.encode(prompt),
-            max_tokens,
-            tokens.speakers["ethan"],
-            max_frames,
-        )
+    # The penalty changes what is said, so the comparisons below check it, not a no-op.
+    assert spoken[3.0] != spoken[1.0]
+    for penalty, frames in spoken.items():
+        with torch.inference_mode():
+            text, want = _reference(
+                parts,
+                tokens,
+                tokenizer.encode(prompt),
+                max_tokens,
+                tokens.speakers["ethan"],
+                max_frames,
+                penalty,
+            )
+        assert frames == want, penalty
+        assert max_tokens - 1 < len(frames) <= max_frames  # the talker spoke on after the text
     assert "".join(o.text for o in out if isinstance(o, TextDelta)) == tokenizer.decode(text)
-    assert frames == want
-    assert max_tokens - 1 < len(frames) <= max_frames  # the talker spoke on after the text
 
 
 def test_the_thinker_sends_its_rows_and_the_talker_refuses_rows_that_do_not_fit(

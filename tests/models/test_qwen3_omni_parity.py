@@ -7,8 +7,10 @@ ours by upstream names (strictly), and both run the same inputs in float32.
 from __future__ import annotations
 
 import functools
+import inspect
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,17 @@ from mstar_async.graph import StreamEnd
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.checkpoints.streaming import StateDictSource, empty_module
+from mstar_async.models.qwen3_omni.audio_prompt import build_prompt
 from mstar_async.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from mstar_async.models.qwen3_omni.decoder import DenseCausalAttention, Qwen3Config, seeded_init
 from mstar_async.models.qwen3_omni.model import talker_tokens
-from mstar_async.models.qwen3_omni.talker import Talker, talker_prompt, text_row
+from mstar_async.models.qwen3_omni.talker import (
+    REPETITION_PENALTY,
+    Talker,
+    TalkerTokens,
+    talker_prompt,
+    text_row,
+)
 from mstar_async.models.qwen3_omni.thinker import Thinker
 from mstar_async.models.qwen3_omni.weights import OmniWeights, load_upstream
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
@@ -119,8 +128,6 @@ def _talkers() -> tuple[Any, Talker]:
     upstream = hf.Qwen3OmniMoeTalkerForConditionalGeneration(_talker_config()).eval()
     _randomise(upstream, 3)
     cfg = Qwen3Config.from_hf(TEXT)
-    from dataclasses import replace
-
     ours = empty_module(
         lambda: Talker(
             replace(cfg, shared_expert_intermediate_size=24, norm_topk_prob=False),
@@ -259,7 +266,14 @@ VOCAB = 49152 + 3  # the SmolLM2 tokenizer's vocabulary and three tts ids
 
 def _omni_config() -> Any:
     text = {**TEXT, "vocab_size": VOCAB}
-    talker_text = {**TEXT, "shared_expert_intermediate_size": 24, "norm_topk_prob": False}
+    # Upstream's generate suppresses the talker's last 1024 ids but end of speech: the codec
+    # specials above a codebook of 64, as in the released layout (2048 + 1024).
+    talker_text = {
+        **TEXT,
+        "vocab_size": 64 + 1024,
+        "shared_expert_intermediate_size": 24,
+        "norm_topk_prob": False,
+    }
     predictor = {
         "vocab_size": 64,
         "hidden_size": 32,
@@ -372,21 +386,48 @@ class _TalkerCalled(Exception):
     """Upstream's generate got as far as calling its talker."""
 
 
+def _one_piece_header(ids: list[int], tokens: TalkerTokens) -> list[int]:
+    """A prompt ending in the assistant header, as upstream reads it. Upstream takes the
+    header to be three tokens, as Qwen's tokenizer makes it; SmolLM2's splits "assistant" in
+    two: keep its first piece."""
+    assert ids[-3] == tokens.assistant
+    return [*ids[:-2], ids[-1]]
+
+
+def _upstream_for_smollm2(
+    upstream: Any, tokens: TalkerTokens, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Point upstream's generate at SmolLM2's chat ids (its defaults are Qwen's), and let it
+    run on the tiny thinker."""
+    roles = {"im_start": tokens.im_start, "user": tokens.user, "assistant": tokens.assistant}
+    for name, value in roles.items():
+        monkeypatch.setattr(upstream.config, f"{name}_token_id", value)
+    # transformers 5.24's thinker generate reads an id its config lacks (unused without video),
+    # and its hidden state after accept_hidden_layer layers (used at audio positions only; the
+    # default, 18, is past the tiny thinker's 2).
+    vision_start = upstream.config.talker_config.vision_start_token_id
+    monkeypatch.setattr(
+        upstream.thinker.config, "vision_start_token_id", vision_start, raising=False
+    )
+    monkeypatch.setattr(upstream.config.talker_config, "accept_hidden_layer", 1)
+
+
+def _parts_of(model: Any, tokenizer: ChatTokenizer) -> tuple[OmniWeights, TalkerTokens]:
+    factory = model.components["talker"]
+    assert isinstance(factory, functools.partial)
+    weights: OmniWeights = factory.args[0]  # the model's parts
+    return weights, talker_tokens(weights.config, tokenizer)
+
+
 def test_the_talker_is_fed_upstreams_inputs_from_the_thinker_engines_rows(
     omni_folder: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     upstream, folder = omni_folder
     tokenizer = ChatTokenizer.from_folder(folder)
     model = build_model("qwen3-omni", path=folder)
-    factory = model.components["talker"]
-    assert isinstance(factory, functools.partial)
-    weights: OmniWeights = factory.args[0]  # the model's parts
-    tokens = talker_tokens(weights.config, tokenizer)
+    weights, tokens = _parts_of(model, tokenizer)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]))
-    # Upstream takes the assistant header to be three tokens, as Qwen's tokenizer makes it;
-    # SmolLM2's splits "assistant" in two: keep its first piece.
-    assert ids[-3] == tokens.assistant
-    ids = [*ids[:-2], ids[-1]]
+    ids = _one_piece_header(ids, tokens)
     new = 6
     # Ours: what the thinker's engine hands the talker, greedy, as the walks carry it.
     thinker = model.components["thinker"]()
@@ -398,17 +439,7 @@ def test_the_talker_is_fed_upstreams_inputs_from_the_thinker_engines_rows(
     policy = LeftContextChunkPolicy(1, 0, lookahead=1)
     chunks = [c for out in made[1:] for c in policy.push(out["row"][None])] + policy.close()
     # Upstream's: the inputs its generate gives the talker, from the thinker's hidden states.
-    roles = {"im_start": tokens.im_start, "user": tokens.user, "assistant": tokens.assistant}
-    for name, value in roles.items():  # upstream's defaults are Qwen's ids, not SmolLM2's
-        monkeypatch.setattr(upstream.config, f"{name}_token_id", value)
-    # transformers 5.24's thinker generate reads an id its config lacks (unused without video),
-    # and its hidden state after accept_hidden_layer layers (used at audio positions only; the
-    # default, 18, is past the tiny thinker's 2).
-    vision_start = upstream.config.talker_config.vision_start_token_id
-    monkeypatch.setattr(
-        upstream.thinker.config, "vision_start_token_id", vision_start, raising=False
-    )
-    monkeypatch.setattr(upstream.config.talker_config, "accept_hidden_layer", 1)
+    _upstream_for_smollm2(upstream, tokens, monkeypatch)
     fed: dict[str, Any] = {}
 
     def talker_generate(**kwargs: Any) -> None:
@@ -442,3 +473,92 @@ def test_the_talker_is_fed_upstreams_inputs_from_the_thinker_engines_rows(
     assert trailing.shape[0] == new - 1
     torch.testing.assert_close(trailing, fed["trailing_text_hidden"][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pad, fed["tts_pad_embed"][0, 0], atol=1e-5, rtol=1e-5)
+
+
+def _upstream_frames(
+    upstream: Any,
+    ids: list[int],
+    new: int,
+    frames: int,
+    monkeypatch: pytest.MonkeyPatch,
+    **options: Any,
+) -> list[list[int]]:
+    """The frames of upstream's own ``generate``, greedy (``talker_do_sample=False``, which it
+    mirrors onto its code predictor) and otherwise at its defaults but ``options``: codebook 0
+    from its talker's sequence, the residual codes its code predictor made for each."""
+    made: dict[str, Any] = {}
+    talker_generate = upstream.talker.generate
+
+    def keep(**kwargs: Any) -> Any:
+        made["result"] = talker_generate(**kwargs)
+        return made["result"]
+
+    monkeypatch.setattr(upstream.talker, "generate", keep)
+    with torch.no_grad():
+        upstream.generate(
+            input_ids=torch.tensor([ids]),
+            speaker="ethan",
+            thinker_max_new_tokens=new,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            # The last code it samples gets no residual codes: one frame fewer than codes.
+            talker_max_new_tokens=frames + 1,
+            **options,
+        )
+    hidden = made["result"].hidden_states
+    codes = torch.stack([h[-1] for h in hidden if h[-1] is not None], dim=1)[0]
+    return codes.tolist()
+
+
+# transformers says what its talker's penalty reads: the codes it generated, not its prompt.
+@pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`")
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+async def test_talker_frames_match_upstreams_generate_with_its_repetition_penalty(
+    omni_folder: tuple[Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream, folder = omni_folder
+    tokenizer = ChatTokenizer.from_folder(folder)
+    model = build_model("qwen3-omni", path=folder)
+    # Our default is upstream's.
+    ours_default = inspect.signature(model.program).parameters["repetition_penalty"].default
+    theirs_default = inspect.signature(upstream.generate).parameters["talker_repetition_penalty"]
+    assert ours_default == theirs_default.default == REPETITION_PENALTY
+    _, tokens = _parts_of(model, tokenizer)
+    _upstream_for_smollm2(upstream, tokens, monkeypatch)
+
+    # Our program renders the chat itself: give it upstream's header too.
+    def one_piece(*args: Any, **kwargs: Any) -> Any:
+        prompt = build_prompt(*args, **kwargs)
+        return replace(prompt, ids=_one_piece_header(prompt.ids, tokens))
+
+    monkeypatch.setattr("mstar_async.models.qwen3_omni.model.build_prompt", one_piece)
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = _one_piece_header(tokenizer.encode(tokenizer.apply_chat_template(messages)), tokens)
+    new, frames = 6, 16
+    # Upstream's default (passed to neither), none, and a strong one.
+    ours: dict[float | None, list[list[int]]] = {}
+    async with open_runtime(model) as runtime:
+        for penalty in (None, 1.0, 3.0):
+            given: dict[str, Any] = {} if penalty is None else {"repetition_penalty": penalty}
+            with anyio.fail_after(60):
+                async with runtime.generate(
+                    text="Hi there",
+                    max_tokens=new,
+                    max_frames=frames,
+                    ignore_eos=True,  # upstream's thinker stops on Qwen's id, not in this vocab
+                    temperature=0,
+                    voice_temperature=0,
+                    return_codes=True,
+                    **given,
+                ) as outputs:
+                    items = [item async for item in outputs]
+            ours[penalty] = [o.latent.tolist() for o in items if isinstance(o, LatentOutput)]
+    # The penalty changes what is said, even at upstream's default, so each comparison below
+    # checks it, not a no-op; the strong one ends the speech early, at end of speech.
+    assert ours[None] != ours[1.0] != ours[3.0]
+    assert len(ours[None]) == len(ours[1.0]) == frames > len(ours[3.0])
+    for penalty, frames_made in ours.items():
+        options = {} if penalty is None else {"talker_repetition_penalty": penalty}
+        theirs = _upstream_frames(upstream, ids, new, frames, monkeypatch, **options)
+        assert frames_made == theirs, penalty

@@ -69,6 +69,17 @@ BAD = [
     ("/v1/audio/speech", {"model": "orpheus", "input": "hi", "voice": {}}, "voice.id"),
     ("/v1/audio/speech", {"model": "orpheus", "input": "x" * 5000}, "input"),
     ("/v1/audio/speech", {"model": "causal-lm", "input": "hi"}, "model"),
+    (
+        "/v1/audio/speech",
+        {"model": "qwen3-omni", "input": "hi", "repetition_penalty": -1},
+        "repetition_penalty",
+    ),
+    (
+        "/v1/audio/speech",
+        {"model": "orpheus", "input": "hi", "repetition_penalty": 1.1},
+        "repetition_penalty",
+    ),
+    (*_generate("qwen3-omni", text="hi", repetition_penalty=0), None),
     # Images.
     ("/v1/images/generations", {"model": "bagel", "prompt": ""}, "prompt"),
     ("/v1/images/generations", {"model": "bagel", "prompt": 5}, "prompt"),

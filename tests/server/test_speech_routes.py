@@ -125,10 +125,27 @@ def test_qwen3_omni_speaks_its_reply_on_the_speech_route(live: Live) -> None:
     assert len(pcm) > 0 and len(pcm) % 2 == 0
 
 
+def test_repetition_penalty_reaches_the_talker_of_qwen3_omni(live: Live) -> None:
+    def speak(**extra: Any) -> bytes:
+        body = {"max_tokens": 2, "seed": 0, **extra}
+        return _speak(
+            live, model="qwen3-omni", voice="ethan", response_format="pcm", extra_body=body
+        )
+
+    default = speak()
+    # Upstream's default penalty is the program's: the same speech as when it is given.
+    assert speak(repetition_penalty=1.05) == default
+    # Seeded: only the penalty differs, and a strong one changes what is said.
+    assert speak(repetition_penalty=3.0) != default
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         ({"response_format": "aac"}, "response_format", "supported: wav, flac, mp3, opus, pcm"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "> 0.0"),
+        ({"repetition_penalty": "x"}, "repetition_penalty", "got `str`"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty", "takes no 'repetition_penalty'"),
         ({"voice": "alloy"}, "voice", "its voices: tara"),
         ({"speed": 1.5}, "speed", "speed 1.0"),
         ({"speed": 9.0}, "speed", "<= 4.0"),

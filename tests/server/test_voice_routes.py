@@ -1,7 +1,7 @@
 """``/v1/audio/voices`` and cloned-voice speech through real clients: a plain multipart upload
 (built by hand) registers a voice, the ``openai`` client speaks with its id, inline ``ref_audio``
-clones for one request, every limit answers a clear 4xx, and a restarted server (a new app
-over the same directory) still has the voice."""
+clones for one request, every limit answers a clear 4xx, ``repetition_penalty`` reaches the
+talker, and a restarted server (a new app over the same directory) still has the voice."""
 
 from __future__ import annotations
 
@@ -124,6 +124,17 @@ def test_inline_ref_audio_clones_for_one_request(live: Live) -> None:
         _speak(live, "ryan", ref_audio=data)
     with pytest.raises(openai.BadRequestError, match="base64"):
         _speak(live, "", ref_audio="/etc/passwd")
+
+
+def test_repetition_penalty_reaches_the_talker(live: Live) -> None:
+    default = _speak(live, "ryan")
+    # Upstream's default penalty is the program's: the same speech as when it is given.
+    assert _speak(live, "ryan", repetition_penalty=1.05) == default
+    # Seeded: only the penalty differs, and a strong one changes what is said.
+    assert _speak(live, "ryan", repetition_penalty=3.0) != default
+    with pytest.raises(openai.BadRequestError) as caught:
+        _speak(live, "ryan", repetition_penalty=0)
+    assert caught.value.param == "repetition_penalty"
 
 
 def test_limits_answer_clear_4xx_before_any_work(live: Live) -> None:

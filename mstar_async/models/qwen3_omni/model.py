@@ -94,6 +94,7 @@ from mstar_async.models.qwen3_omni.frame_loop import (
     stack_engine,
 )
 from mstar_async.models.qwen3_omni.talker import (
+    REPETITION_PENALTY,
     TalkerTokens,
     predictor_ops,
     talker_keys,
@@ -264,15 +265,15 @@ def _nodes(audio: bool) -> list[Node]:
                 "sampling",
                 "resume",
             ],
-            outputs=["code", "context"],
+            outputs=["code", "context", "history"],
         ),
         *predictor_nodes(),
         Node(
             "talker",
             engine="talker",
             op="decode",
-            inputs=["text", "tts", "code", "codes"],
-            outputs=["frame", "code", "context"],
+            inputs=["text", "tts", "code", "codes", "history"],
+            outputs=["frame", "code", "context", "history"],
         ),
         Node("code2wav", engine="code2wav", op="decode", inputs=["codes"], outputs=["pcm"]),
     ]
@@ -287,6 +288,8 @@ def _edges(chunk: int, left_context: int) -> list[Any]:
         Edge("thinker_prefill.tts", "talker_prefill.tts"),
         Edge("thinker_prefill.tts", "talker.tts"),
         *frame_edges(),
+        # Codebook 0 of the frames so far, which the talker's repetition penalty reads.
+        Edge("talker_prefill.history", "talker.history"),
         # A token's row waits for the next token or the end: upstream's last text row is
         # tts_eos in place of the thinker's last token (see talker_ops).
         stream("thinker.row", "talker.text", LeftContextChunkPolicy(1, 0, lookahead=1)),
@@ -328,7 +331,13 @@ def _walks(cfg: OmniConfig, max_iterations: int) -> list[Walk]:
         carry={"thinker.token": "thinker.token"},
     )
     # The talker speaks on after the text stream ends (tts_pad rows).
-    frames = frame_loop(cfg.num_code_groups, cfg.codec_eos, max_iterations, outlives_streams=True)
+    frames = frame_loop(
+        cfg.num_code_groups,
+        cfg.codec_eos,
+        max_iterations,
+        carry={"talker.history": "talker.history"},
+        outlives_streams=True,
+    )
     return [
         *(_audio_walks() if cfg.audio is not None else []),
         Walk(
@@ -541,6 +550,7 @@ def _program(
         speaker: str | None = None,
         voice_temperature: float = 0.9,
         voice_top_k: int = 50,
+        repetition_penalty: float = REPETITION_PENALTY,
         max_frames: int = 0,
         ignore_eos: bool = False,
         return_codes: bool = False,
@@ -577,6 +587,13 @@ def _program(
             return
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        # Checked before any work: a bad value fails the request naming it.
+        voice_params = SamplingParams(
+            temperature=voice_temperature,
+            top_k=voice_top_k,
+            seed=seed,
+            repetition_penalty=repetition_penalty,
+        )
         voice = (speaker or next(iter(tokens.speakers))).lower()
         if voice not in tokens.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; speakers: {sorted(tokens.speakers)}")
@@ -621,9 +638,6 @@ def _program(
         params = {"max_tokens": max_tokens, "stop_ids": stop_ids, "max_frames": frames_cap}
         code0 = None
         if speak:
-            voice_params = SamplingParams(
-                temperature=voice_temperature, top_k=voice_top_k, seed=seed
-            )
             code0 = (
                 await request.run(
                     "voice",

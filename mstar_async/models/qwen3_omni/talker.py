@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,17 +47,22 @@ from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.policies import Chunk
 
 __all__ = [
+    "NOTHING_SPOKEN",
+    "REPETITION_PENALTY",
     "TTS_BOS",
     "TTS_EOS",
     "TTS_PAD",
     "CodePredictor",
+    "CodecTalker",
     "PromptLayout",
     "Talker",
     "TalkerTokens",
     "frame_codes",
+    "next_code0",
     "predictor_ops",
     "prompt_layout",
     "sample_code0",
+    "spoken",
     "talker_keys",
     "talker_ops",
     "talker_prompt",
@@ -67,6 +72,13 @@ __all__ = [
 #: Rows of the talker's ``tts`` input: the thinker's embeddings of ``tts_bos``, ``tts_eos`` and
 #: ``tts_pad``, in upstream's order.
 TTS_BOS, TTS_EOS, TTS_PAD = 0, 1, 2
+
+#: Upstream's default repetition penalty on a talker's codebook-0 codes generated so far
+#: (Qwen3-Omni's ``talker_repetition_penalty``, Qwen3-TTS's ``repetition_penalty``); their
+#: code predictors take none.
+REPETITION_PENALTY = 1.05
+#: Nothing spoken yet: the codes a talker prefill's penalty reads (``next_code0``'s ``seen``).
+NOTHING_SPOKEN = torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -215,17 +227,48 @@ def sample_code0(
     return sampler.sample(logits, seen)
 
 
-def _after(
-    talker: Talker, tokens: TalkerTokens, hidden: torch.Tensor, sampler: Sampler
+class CodecTalker(Protocol):
+    """A talker that samples codebook 0: its ``codec_head`` and ``codec_embedding`` table
+    (``Talker`` here, qwen3-tts's ``TTSTalker``)."""
+
+    codec_head: nn.Linear
+
+    @property
+    def codec_embedding(self) -> nn.Embedding: ...
+
+
+def next_code0(
+    talker: CodecTalker,
+    hidden: torch.Tensor,
+    sampler: Sampler,
+    seen: torch.Tensor,
+    *,
+    codebook_size: int,
+    codec_eos: int,
+    eos_allowed: bool = True,
 ) -> dict[str, Any]:
+    """The talker step's outputs for the next frame, from its last ``hidden`` state: codebook
+    0 (``code``, by ``sample_code0``, the codes in ``seen`` penalised), the code predictor's
+    first rows for it (``context``: ``[hidden, embedding of code]``) and ``seen`` with it
+    (``history``). ``seen`` holds codebook 0 of every frame so far, upstream's generated ids,
+    which its repetition penalty reads (not the prompt's). Raises nothing."""
     code = sample_code0(
         talker.codec_head(hidden),
         sampler,
-        codebook_size=tokens.codebook_size,
-        codec_eos=tokens.codec_eos,
+        codebook_size=codebook_size,
+        codec_eos=codec_eos,
+        eos_allowed=eos_allowed,
+        seen=seen,
     )
     context = torch.stack([hidden, talker.codec_embedding.weight[code]])
-    return {"code": torch.tensor(code), "context": context}
+    history = torch.cat([seen.reshape(-1).long(), torch.tensor([code])])
+    return {"code": torch.tensor(code), "context": context, "history": history}
+
+
+def spoken(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """A talker decode step's ``history`` input: codebook 0 of every frame so far, this one
+    last (``[n]`` int64). Raises KeyError when the step has none."""
+    return torch.as_tensor(inputs["history"]).reshape(-1).long()
 
 
 @dataclass(frozen=True)
@@ -425,12 +468,13 @@ def talker_ops(talker: Talker, tokens: TalkerTokens) -> dict[str, EmbedsOp]:
       ``audio_hidden`` (the thinker's rows at the prompt's audio placeholders, or None),
       ``sampling``, optional ``resume`` (a conversation's handle: its kept user-turn rows are
       reused) -> ``code`` (codebook 0 of frame 0), ``context`` (``[2, hidden]``: the code
-      predictor's first rows). Its user-turn rows are keyed (``talker_keys``), for
-      ``retain``.
+      predictor's first rows), ``history`` (``[1]``: the code). Its user-turn rows are keyed
+      (``talker_keys``), for ``retain``.
     - ``decode``: ``text`` (the text stream's chunk holding the next thinker token's row, or
       ``StreamEnd`` after the text), ``tts``, ``code`` (this frame's codebook 0), ``codes`` (its
-      residual codes from the predictor) -> ``frame`` (``[G]``), ``code`` and ``context`` for
-      the next frame.
+      residual codes from the predictor), ``history`` (codebook 0 of every frame so far, this
+      one last) -> ``frame`` (``[G]``), and ``code``, ``context``, ``history`` for the next
+      frame (see ``next_code0``; the sampling's ``repetition_penalty`` applies to ``history``).
     """
 
     def prefill_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -451,16 +495,26 @@ def talker_ops(talker: Talker, tokens: TalkerTokens) -> dict[str, EmbedsOp]:
         )
         return row[None]
 
+    def after(hidden: torch.Tensor, sampler: Sampler, seen: torch.Tensor) -> dict[str, Any]:
+        return next_code0(
+            talker,
+            hidden,
+            sampler,
+            seen,
+            codebook_size=tokens.codebook_size,
+            codec_eos=tokens.codec_eos,
+        )
+
     def prefill_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
-        return [_after(talker, tokens, h, s) for h, s in zip(hidden, samplers, strict=True)]
+        return [after(h, s, NOTHING_SPOKEN) for h, s in zip(hidden, samplers, strict=True)]
 
     def decode_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
         return [
-            {**_after(talker, tokens, h, s), "frame": frame_codes(inputs)}
+            {**after(h, s, spoken(inputs)), "frame": frame_codes(inputs)}
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 

@@ -21,6 +21,7 @@ import torch
 
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.models.checkpoints import ChatTokenizer
+from mstar_async.models.qwen3_omni.talker import REPETITION_PENALTY
 from mstar_async.models.qwen3_tts.config import SAMPLE_RATE, TTSConfig
 from mstar_async.models.qwen3_tts.prompt import SPEAKER, PromptIds, TalkerPrompt, lay_out
 from mstar_async.models.qwen3_tts.voice import VoicePrompt
@@ -33,9 +34,6 @@ _END = "<|im_end|>\n"
 #: Frames a request may speak by default: upstream's 12.5 Hz leaves a few frames per token.
 _FRAMES_PER_TOKEN = 8
 _MAX_DEFAULT_FRAMES = 2048
-#: Upstream's default penalty on the talker's codebook-0 codes already spoken (the code
-#: predictor has none).
-REPETITION_PENALTY = 1.05
 
 
 def chat_ids(tokenizer: ChatTokenizer, text: str, tail: str) -> tuple[list[int], list[int]]:

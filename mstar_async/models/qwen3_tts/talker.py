@@ -28,10 +28,12 @@ from mstar_async.errors import EngineError
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config, Qwen3Stack
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsOp, Sampler
 from mstar_async.models.qwen3_omni.talker import (
+    NOTHING_SPOKEN,
     CodePredictor,
     ResizeMLP,
     frame_codes,
-    sample_code0,
+    next_code0,
+    spoken,
 )
 from mstar_async.models.qwen3_tts.prompt import SPEAKER
 
@@ -131,23 +133,17 @@ class TTSTalker(nn.Module):
 def _next(
     talker: TTSTalker, ids: TalkerIds, hidden: torch.Tensor, sampler: Sampler, seen: torch.Tensor
 ) -> dict[str, Any]:
-    """The next frame's codebook 0 after the codebook-0 codes ``seen`` so far (its index is
-    their count), the code predictor's first rows for it, and ``seen`` with it."""
-    code = sample_code0(
-        talker.codec_head(hidden),
+    """``next_code0`` after the codebook-0 codes ``seen`` so far (the frame's index is their
+    count): end of speech only from ``ids.min_frames`` frames on."""
+    return next_code0(
+        talker,
+        hidden,
         sampler,
+        seen,
         codebook_size=ids.codebook_size,
         codec_eos=ids.codec_eos,
         eos_allowed=seen.numel() >= ids.min_frames,
-        seen=seen,
     )
-    context = torch.stack([hidden, talker.codec_embedding.weight[code]])
-    spoken = torch.cat([seen, torch.tensor([code])])
-    return {"code": torch.tensor(code), "context": context, "history": spoken}
-
-
-def _history(inputs: Mapping[str, Any]) -> torch.Tensor:
-    return torch.as_tensor(inputs["history"]).reshape(-1).long()
 
 
 def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
@@ -169,7 +165,7 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
         return talker.prompt_rows(torch.as_tensor(inputs["layout"]), speaker)
 
     def decode_rows(inputs: Mapping[str, Any]) -> torch.Tensor:
-        step = _history(inputs).numel() - 1
+        step = spoken(inputs).numel() - 1
         trailing = torch.as_tensor(inputs["trailing"]).reshape(-1)
         text = int(trailing[step]) if step < trailing.numel() else ids.tts_pad
         row = talker.frame_rows(frame_codes(inputs)[None]) + talker.text_rows(torch.tensor([text]))
@@ -178,14 +174,15 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
     def prefill_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
-        none = torch.zeros(0, dtype=torch.long)
-        return [_next(talker, ids, h, s, none) for h, s in zip(hidden, samplers, strict=True)]
+        return [
+            _next(talker, ids, h, s, NOTHING_SPOKEN) for h, s in zip(hidden, samplers, strict=True)
+        ]
 
     def decode_done(
         hidden: torch.Tensor, batch: Sequence[Mapping[str, Any]], samplers: Sequence[Sampler]
     ) -> list[dict[str, Any]]:
         return [
-            {**_next(talker, ids, h, s, _history(inputs)), "frame": frame_codes(inputs)}
+            {**_next(talker, ids, h, s, spoken(inputs)), "frame": frame_codes(inputs)}
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
