@@ -113,6 +113,9 @@ LEFT_CONTEXT = 25
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 #: The longest utterance a request may carry by default (5 min of speech, 3,900 thinker rows).
 MAX_AUDIO_SECONDS = 300.0
+#: Upstream's code predictor sampling (``Qwen3OmniMoeForConditionalGeneration.generate``):
+#: these whatever the talker's, greedy only when the talker is.
+PREDICTOR_TEMPERATURE, PREDICTOR_TOP_K, PREDICTOR_TOP_P = 1.0, 50, 0.8
 
 
 def _role_id(tokenizer: ChatTokenizer, role: str) -> int:
@@ -658,7 +661,10 @@ def _program(
                         yield TextDelta(delta)
         else:
             predictor_params = SamplingParams(
-                temperature=voice_temperature, top_k=voice_top_k, top_p=0.8, seed=seed + 1
+                temperature=PREDICTOR_TEMPERATURE if voice_temperature > 0 else 0.0,
+                top_k=PREDICTOR_TOP_K,
+                top_p=PREDICTOR_TOP_P,
+                seed=seed + 1,
             )
             speech = _speak(request, params, predictor_params, detok, return_codes)
             async with aclosing(speech) as outputs:
