@@ -150,7 +150,8 @@ class KVCacheEngine:
       otherwise ``tokens`` are prefilled (chunked, admitted and budgeted like a prompt) into a
       new evictable *prefix* handle, which is then forked into the sequence. Nothing is
       sampled: the request's next ``prefill`` continues after the prefix.
-    - ``drop``: ``handle`` -> ``dropped`` (bool): ``drop_handle`` as a step.
+    - ``drop``: ``handle`` -> ``dropped`` (bool): ``drop_handle`` as a step; a request in
+      flight that was to keep a sequence under ``handle`` no longer will.
     - ``rewind``: ``handle``, ``tokens``, optional ``embeds`` / ``embeds_at`` (as ``prefill``)
       -> ``tokens`` (what the handle keeps, an int; 0 for an unknown handle) and
       ``embeds_out`` (the model's kept rows at the prompt's row positions it keeps, in order,
@@ -458,7 +459,7 @@ class KVCacheEngine:
         if not isinstance(name, str) or not name:
             return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
         if step.op == "drop":
-            return {"dropped": self.drop_handle(name)}
+            return {"dropped": self._handles.forget(name)}
         if step.op == "retain":
             kind = PREFIX if step.inputs.get("evictable") else SESSION
             self._handles.retain(step.request_id, _key(step), name, kind)

@@ -85,6 +85,18 @@ class HandleStore:
         self.allocator.free(HandleKey(name))
         return True
 
+    def forget(self, name: str) -> bool:
+        """``drop`` ``name``, and withdraw every request's wish to keep a sequence under it when
+        released, so a request in flight as its handle goes keeps nothing after (a deleted
+        voice, an ended conversation); return whether the handle existed. Never raises."""
+        for request_id in list(self._retained):
+            wanted = self._retained[request_id]
+            for seq in [seq for seq, (kept, _) in wanted.items() if kept == name]:
+                del wanted[seq]
+            if not wanted:
+                del self._retained[request_id]
+        return self.drop(name)
+
     def evict_lru(self) -> bool:
         """Drop the least recently used evictable handle; return whether there was one."""
         prefixes = [(h.used, name) for name, h in self._handles.items() if h.kind == PREFIX]

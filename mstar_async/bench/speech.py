@@ -848,11 +848,13 @@ def format_report(report: dict[str, Any]) -> str:
     if voices := report.get("voices"):
         lines.append(
             f"cloned voices (N=1, {voices['reference_seconds']:g} s reference, "
-            f"{voices['reference_frames']} frames):"
+            f"{voices['reference_frames']} frames; the registered voice keeps "
+            f"{voices['kept_prompt_rows']} prompt rows, its timed requests took "
+            f"{voices['reused_prompt_rows']} from them):"
         )
         for kind, f in voices["systems"].items():
             lines.append(
-                f"    {kind:<10} TTFA p50 {f['ttfa_p50_s']:.3f} s, p95 {f['ttfa_p95_s']:.3f} s, "
+                f"    {kind:<19} TTFA p50 {f['ttfa_p50_s']:.3f} s, p95 {f['ttfa_p95_s']:.3f} s, "
                 f"e2e p50 {f['e2e_p50_s']:.2f} s"
             )
     for entry in report["aims"]:

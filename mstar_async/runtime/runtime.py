@@ -133,12 +133,12 @@ class Runtime:
         return self._registry().list()
 
     async def delete_voice(self, voice_id: str) -> VoiceRecord:
-        """Remove a registered voice and its file.
+        """Remove a registered voice, its file and the KV kept for it.
 
         Raises:
             RuntimeError: no ``voices``; VoiceNotFound: no such voice.
         """
-        return await self._registry().delete(voice_id)
+        return await self._registry().delete(voice_id, self)
 
     def _registry(self) -> VoiceRegistry:
         if self.voices is None:

@@ -102,16 +102,16 @@ async def list_voices(request: Request) -> Response:
 
 
 async def delete_voice(request: Request) -> Response:
-    """Remove a voice and its stored file.
+    """Remove a voice, its stored file and the KV the model keeps for it.
 
     Raises:
         APIError: 404 when no served model has the voice.
     """
     voice_id = request.path_params["voice_id"]
     state = server_state(request)
-    for registry in state.voices.values():
+    for name, registry in state.voices.items():
         try:
-            record = await registry.delete(voice_id)
+            record = await registry.delete(voice_id, state.models.get_or_404(name).runtime)
         except VoiceNotFound:
             continue
         return JSONResponse({"id": record.id, "object": "audio.voice.deleted", "deleted": True})

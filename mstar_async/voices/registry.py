@@ -151,8 +151,10 @@ class VoiceRegistry:
         """This model's voices, oldest first."""
         return [r for r in self.store.records() if r.model == self.model]
 
-    async def delete(self, voice_id: str) -> VoiceRecord:
-        """Remove a voice and its file. Runs the file work in a thread; completes even if
+    async def delete(self, voice_id: str, runtime: Any = None) -> VoiceRecord:
+        """Remove a voice and its file, then, given the ``runtime`` serving the model (one whose
+        ``info["keeps_voice_kv"]``), the KV its talker keeps for the voice (a request of its
+        program with ``forget_voice``). Runs the file work in a thread; completes even if
         cancelled once started.
 
         Raises:
@@ -160,7 +162,13 @@ class VoiceRegistry:
         """
         self._owned(voice_id)
         self._cache.pop(voice_id, None)
-        return await anyio.to_thread.run_sync(self.store.delete, voice_id)
+        with anyio.CancelScope(shield=True):
+            record = await anyio.to_thread.run_sync(self.store.delete, voice_id)
+            if runtime is not None and runtime.model.info.get("keeps_voice_kv"):
+                async with runtime.generate(text="", forget_voice=voice_id) as outputs:
+                    async for _ in outputs:
+                        pass
+        return record
 
     async def voice(self, voice_id: str) -> StoredVoice:
         """The stored tensors of ``voice_id`` (cached after the first read here).

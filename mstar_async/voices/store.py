@@ -91,11 +91,12 @@ class VoiceRecord:
 @dataclass(frozen=True)
 class StoredVoice:
     """A registered voice's tensors: ``speaker`` ``[hidden]`` and ``codes`` ``[frames, G]``
-    (``None``: embedding only), with its ``transcript``."""
+    (``None``: embedding only), with its ``transcript`` and ``id``."""
 
     speaker: torch.Tensor
     codes: torch.Tensor | None
     transcript: str | None
+    id: str | None = None
 
 
 class VoiceStore:
@@ -148,7 +149,7 @@ class VoiceStore:
             tensors = load_file(self.directory / f"{record.id}.safetensors")
         except FileNotFoundError:
             raise VoiceNotFound(f"voice {voice_id!r} was deleted") from None
-        return StoredVoice(tensors["speaker"], tensors.get("codes"), record.transcript)
+        return StoredVoice(tensors["speaker"], tensors.get("codes"), record.transcript, record.id)
 
     def __len__(self) -> int:
         self._reload()

@@ -1,7 +1,8 @@
 """``EmbedsKVEngine`` handles (the talker's kept conversation): a retained request keeps its
 keyed leading rows, a ``resume``d step computes only the rows past what its keys share and ends
 with the hidden state a whole prefill gives, ``rewind`` frees a handle's blocks past a departure
-at once, and an evictable handle gives way to a request that needs its room."""
+at once, an evictable handle gives way to a request that needs its room, and ``keep`` keeps a
+shared prefix only when its handle lacks the rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from mstar_async.engines import Step
+from mstar_async.engines.kv.sequences import HandleKey
 from mstar_async.errors import KVCacheFull
 from mstar_async.models.qwen3_omni.config import SIZES
 from mstar_async.models.qwen3_omni.decoder import Qwen3Stack, seeded_init
@@ -134,3 +136,31 @@ def test_an_evictable_handle_gives_way_and_a_session_does_not(evictable: bool) -
     world.engine.release("big")
     world.engine.drop_handle("conv")
     assert world.engine.blocks_in_use == 0
+
+
+def test_keep_keeps_a_shared_prefix_once_and_again_only_when_it_lacks_the_rows() -> None:
+    world = World()
+    table = world.engine.allocator.block_table
+    world.prefill("a", ROWS[:14], _keys(10), keep="p", resume="p")  # first use: all computed
+    world.engine.release("a")
+    assert world.engine.handles == {"p": ("prefix", 10, 3)}
+    kept = list(table(HandleKey("p")))
+    world.computed = 0
+    world.prefill("b", ROWS[:14], _keys(10), keep="p", resume="p")
+    world.engine.release("b")
+    assert world.computed == 4 and world.engine.reused_tokens == 10
+    # Not kept again: the handle's blocks are the first request's (b's copy of the last,
+    # partly filled block went with b).
+    assert list(table(HandleKey("p"))) == kept
+    world.prefill("c", ROWS[:14], _keys(10, 6), keep="p", resume="p")  # departs at row 6
+    world.engine.release("c")
+    assert world.engine.reused_tokens == 16 and world.engine.handles == {"p": ("prefix", 10, 3)}
+    world.computed = 0
+    world.prefill("d", ROWS[:14], _keys(10), keep="p", resume="p")  # c's rows now: 6 shared
+    assert world.computed == 8
+    # Dropped while d is in flight: d keeps nothing when released.
+    assert world.run("x", "drop", handle="p") == {"dropped": True}
+    world.engine.release("d")
+    world.engine.release("x")
+    assert world.engine.handles == {} and world.engine.blocks_in_use == 0
+    world.engine.allocator.check_invariants()

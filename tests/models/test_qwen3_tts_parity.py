@@ -7,7 +7,8 @@ talker's hidden states and codec logits, the code predictor, the speaker encoder
 features included), the decoder and its ``chunked_decode``, and upstream's prompt for every
 kind of voice, captured from its ``generate``. Then a checkpoint folder in upstream's layout
 runs through the runtime greedily, and its frames (under upstream's default repetition penalty,
-none, and a strong one) and audio equal a step-by-step loop over upstream's modules.
+none, and a strong one; the last two resuming the voice's kept prompt rows) and audio equal a
+step-by-step loop over upstream's modules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mstar_async.models.qwen3_tts.prompt import SPEAKER, PromptIds, lay_out
 from mstar_async.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from mstar_async.models.qwen3_tts.speech_decoder import SpeechDecoder, chunked_decode
 from mstar_async.models.qwen3_tts.speech_encoder import SpeechEncoder, upstream_name
+from mstar_async.models.qwen3_tts.voice import VoicePrompt
 from mstar_async.models.qwen3_tts.weights import _load_whole, _seed_codebooks, build_talker
 from mstar_async.outputs import AudioChunk, LatentOutput
 from mstar_async.runtime import open_runtime
@@ -50,6 +52,8 @@ pytestmark = [
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 #: A repetition penalty strong enough to change the tiny model's greedy frames.
 PENALTY = 1.5
+#: A registered voice's id: its prompt rows' KV is kept and resumed.
+VOICE_ID = "voice_" + "1" * 24
 TEXT_VOCAB = 49152 + 3  # SmolLM2's vocabulary and the three tts ids after it
 TTS_BOS, TTS_EOS, TTS_PAD = 49152, 49153, 49154
 CODEBOOK, GROUPS = 64, 4
@@ -347,6 +351,14 @@ def test_prompt_matches_upstream(case: str, ours: TTSConfig, upstream: Any) -> N
         n = theirs_trailing.shape[0] + 2
         expected = torch.cat([theirs_trailing, _rows(talker, torch.zeros(0), 2)])
         torch.testing.assert_close(_rows(talker, prompt.trailing, n), expected, **TOL)
+        # The rows every request of the voice shares (whose KV a registered voice keeps) are
+        # exactly those upstream's prompt has alike for another text of the same length.
+        other_text = [t + 300 for t in text]
+        kwargs["input_ids"] = [torch.tensor([[1, 10, 11, *other_text, 2, 11, 1, 10, 11]])]
+        other, _ = _upstream_prompt(upstream, **kwargs)
+        k = prompt.voice_rows
+        assert k == lay_out(IDS, [1, 10, 11], other_text, **mine).voice_rows
+        assert torch.equal(theirs[:k], other[:k]) and not torch.allclose(theirs[k], other[k])
 
 
 def _save_folder(tmp: Path, ours: TTSConfig, upstream: Any, upstream_decoder: Any, up: Any) -> Path:
@@ -431,7 +443,9 @@ async def test_checkpoint_folder_runs_as_upstream(
             async with runtime.generate(
                 text="", ref_audio=pcm, ref_text="Hi there.", encode_only=True
             ) as out:
-                (voice,) = [v async for v in out]
+                (encoded,) = [v async for v in out]
+            # As registered: the second and third runs resume the voice's kept prompt rows.
+            voice = VoicePrompt(encoded.speaker, encoded.codes, encoded.transcript, VOICE_ID)
             for penalty in (default, 1.0, PENALTY):
                 async with runtime.generate(
                     text="Hello.",
@@ -443,6 +457,8 @@ async def test_checkpoint_folder_runs_as_upstream(
                     return_codes=True,
                 ) as out:
                     runs[penalty] = [item async for item in out]
+            talker_engine: Any = runtime.batching.engines["talker"]
+            reused = talker_engine.reused_tokens
     theirs = upstream.extract_speaker_embedding(pcm.numpy(), 24_000)
     torch.testing.assert_close(voice.speaker, theirs.float(), **TOL)
     assert voice.codes is not None and voice.codes.shape == (13, GROUPS)
@@ -468,6 +484,7 @@ async def test_checkpoint_folder_runs_as_upstream(
         voice=voice,
         streaming_text=None,
     )
+    assert reused == 2 * prompt.voice_rows > 0
     with torch.inference_mode():
         talker = _talker(ours, upstream)
         rows = talker.prompt_rows(prompt.layout, voice.speaker)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -101,6 +102,11 @@ def test_register_speak_list_delete(live: Live, voices_dir: Path) -> None:
     assert voice["name"] == "Ada" and voice["frames"] == 13 and voice["model"] == "qwen3-tts"
     pcm = _speak(live, voice["id"])
     assert len(pcm) == 6 * 1920 * 2  # 16-bit samples
+    talker = live.app.state.server.models["qwen3-tts"].runtime.batching.engines["talker"]
+    deadline = time.monotonic() + 10
+    while f"voice:{voice['id']}" not in talker.handles:  # kept once the request is released
+        assert time.monotonic() < deadline, talker.handles
+        time.sleep(0.005)
     listed = http("GET", f"{live.url}/v1/audio/voices").json()
     assert [v["id"] for v in listed["data"]] == [voice["id"]]
     assert sorted(p.name for p in voices_dir.iterdir()) == [
@@ -111,6 +117,7 @@ def test_register_speak_list_delete(live: Live, voices_dir: Path) -> None:
     gone = http("DELETE", f"{live.url}/v1/audio/voices/{voice['id']}")
     assert gone.json() == {"id": voice["id"], "object": "audio.voice.deleted", "deleted": True}
     assert sorted(p.name for p in voices_dir.iterdir()) == [".lock", "index.json"]
+    assert talker.handles == {}  # its kept KV went with it
     with pytest.raises(openai.BadRequestError) as caught:
         _speak(live, voice["id"])
     assert "no voice" in str(caught.value)

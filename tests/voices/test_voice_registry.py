@@ -1,5 +1,6 @@
 """The voice store and registry: limits before any work, persistence, sharing between stores
-of one directory, and 100 register/delete cycles leaving no file and no KV block behind."""
+of one directory, and 100 register/delete cycles leaving no file and no KV block behind (a
+spoken voice's kept prompt rows go with its delete)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -99,7 +101,7 @@ async def test_registered_voice_speaks_and_100_cycles_leave_nothing(tmp_path: Pa
     model = build_model("qwen3-tts", size="tiny", chunk=4)
     limits = VoiceLimits(max_voices=3, max_audio_seconds=2.0)
     async with open_runtime(model, voices=VoiceStore(tmp_path, limits)) as runtime:
-        engines = [runtime.batching.engines[name] for name in ("talker", "predictor")]
+        engines: list[Any] = [runtime.batching.engines[name] for name in ("talker", "predictor")]
         with anyio.fail_after(60):
             record = await runtime.register_voice(
                 _wav(1.0), name="mine", transcript="A short test."
@@ -109,28 +111,45 @@ async def test_registered_voice_speaks_and_100_cycles_leave_nothing(tmp_path: Pa
             async with runtime.generate(text="Hello there.", voice=voice, max_tokens=6) as out:
                 items = [i async for i in out]
             assert sum(i.pcm.numel() for i in items if isinstance(i, AudioChunk)) == 6 * 1920
+            await _kept(runtime, engines[0], {f"voice:{record.id}"})
             with pytest.raises(VoiceLimitError, match="lasts 3.0 s"):
                 await runtime.register_voice(_pcm(3.0), name="long")
             with pytest.raises(VoiceError, match="give the voice a name"):
                 await runtime.register_voice(_pcm(1.0), name=" ")
             await runtime.delete_voice(record.id)
+            assert engines[0].handles == {}  # the voice's kept KV went with it
             for i in range(100):
                 made = await runtime.register_voice(_pcm(0.2), name=f"v{i}")
                 assert made.frames == 0  # no transcript: the speaker embedding alone
+                if i % 10 == 0:  # spoken: its KV is kept until the delete
+                    voice = await runtime.voice(made.id)
+                    async with runtime.generate(text="Hi.", voice=voice, max_tokens=2) as out:
+                        assert len([item async for item in out]) > 0
+                    await _kept(runtime, engines[0], {f"voice:{made.id}"})
                 await runtime.delete_voice(made.id)
         assert runtime.list_voices() == []
         assert runtime.voices is not None and runtime.voices.store.files() == [
             ".lock",
             "index.json",
         ]
-        assert [e.blocks_in_use for e in engines] == [0, 0]
+        assert [e.blocks_in_use for e in engines] == [0, 0] and engines[0].handles == {}
+
+
+async def _kept(runtime: Any, talker: Any, handles: set[str]) -> None:
+    """Wait until the last request is released: the talker then keeps exactly ``handles``."""
+    with anyio.fail_after(10):
+        while runtime.batching.kv_blocks_in_use > talker.kept_blocks:  # noqa: ASYNC110  (counts)
+            await anyio.sleep(0.005)
+    assert set(talker.handles) == handles
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 async def test_bench_rows_time_each_kind_of_voice() -> None:
     from mstar_async.bench.speech import _figures, stream_one
-    from mstar_async.bench.speech_voices import VOICE_SYSTEMS, measure_voices
+    from mstar_async.bench.speech_voices import REFERENCE_TRANSCRIPT, VOICE_SYSTEMS, measure_voices
+    from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
+    from mstar_async.models.qwen3_tts.program import chat_ids
 
     model = build_model("qwen3-tts", size="tiny", chunk=4)
     async with open_runtime(model) as runtime:
@@ -143,5 +162,15 @@ async def test_bench_rows_time_each_kind_of_voice() -> None:
             )
     assert list(rows["systems"]) == list(VOICE_SYSTEMS)
     assert rows["reference_frames"] == 75  # 6 s at 12.5 frames a second
+    # Kept: the role, 3 codec tags, the speaker, pad and the transcript's rows.
+    tokenizer = ChatTokenizer.from_folder(smollm2_folder())
+    role, transcript = chat_ids(tokenizer, REFERENCE_TRANSCRIPT, "<|im_end|>\n")
+    assert rows["kept_prompt_rows"] == len(role) + 5 + len(transcript)
+    assert rows["reused_prompt_rows"] == rows["kept_prompt_rows"]  # the one registered request
+    assert set(rows["ratios"]) == {
+        "registered/named",
+        "registered_no_reuse/registered",
+        "inline/registered",
+    }
     assert all(f["requests"] == 1 and f["ttfa_p50_s"] > 0 for f in rows["systems"].values())
     assert [a["target"] for a in rows["aims"]] == [1.2, 2.0]

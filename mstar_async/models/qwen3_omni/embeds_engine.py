@@ -18,8 +18,10 @@ A sequence's leading rows may outlive its request under a handle (``engines/kv/h
 ``KVCacheEngine``'s conversations): an op with ``keys`` says what its step's leading rows *are*;
 a request that ``retain``-ed keeps them, and a later step with ``resume`` starts from the longest
 prefix of them its own keys share, computing only the rest (the talker's user turns, which a
-conversation's next turn repeats). ``rewind`` cuts a handle back to a prefix at once, and
-evictable handles give way when admission needs room.
+conversation's next turn repeats). A keyed step may also name a handle to ``keep`` its keyed
+rows under (evictable) unless that handle already holds them all: a prefix many requests share
+(a registered voice's), computed on first use and again only after eviction. ``rewind`` cuts a
+handle back to a prefix at once, and evictable handles give way when admission needs room.
 """
 
 from __future__ import annotations
@@ -116,14 +118,16 @@ class EmbedsKVEngine:
     sampling generator comes from the ``sampling`` input (``SamplingParams``) of its first step
     that carries one (greedy otherwise) and lives until ``release``.
 
-    Besides the model's ops (a step of one may carry ``resume``: a handle to start from), the
-    handle ops, bookkeeping only:
+    Besides the model's ops (a keyed step of one may carry ``resume``: a handle to start from,
+    and ``keep``: a handle to keep its keyed rows under, evictable, when the request is released,
+    unless that handle already holds every one of them), the handle ops, bookkeeping only:
 
     - ``retain``: ``handle``, optional ``evictable`` -> ``{}``. When the request is released,
       its sequence's keyed leading rows are kept under ``handle`` (replacing one of that name):
       never evicted, or with ``evictable`` evicted least recently used when admission needs
       room.
-    - ``drop``: ``handle`` -> ``dropped`` (bool).
+    - ``drop``: ``handle`` -> ``dropped`` (bool); a request in flight that was to keep its
+      rows under ``handle`` no longer will.
     - ``rewind``: ``handle``, ``keys`` -> ``tokens``: the handle cut back to the longest prefix
       it shares with ``keys`` (the rule ``resume`` applies), its blocks past that freed now;
       0 for an unknown handle.
@@ -217,7 +221,7 @@ class EmbedsKVEngine:
         if not isinstance(name, str) or not name:
             return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
         if step.op == "drop":
-            return {"dropped": self._handles.drop(name)}
+            return {"dropped": self._handles.forget(name)}
         if step.op == "retain":
             kind = PREFIX if step.inputs.get("evictable") else SESSION
             self._handles.retain(step.request_id, step.request_id, name, kind)
@@ -321,19 +325,23 @@ class EmbedsKVEngine:
 
     def _resume(self, step: Step, op: EmbedsOp, rows: int) -> int:
         """For a keyed step that starts its request's sequence, of a request that keeps or
-        resumes a conversation: record its keys and, with ``resume``, start the sequence as
-        the handle's rows its keys share (all but its last row at most); returns the rows
-        taken."""
+        resumes a conversation: record its keys (``keep``: to be kept, if its handle lacks
+        some) and, with ``resume``, start the sequence as the handle's rows its keys share (all
+        but its last row at most); returns the rows taken."""
         rid = step.request_id
-        name = step.inputs.get("resume")
+        name, keep = step.inputs.get("resume"), step.inputs.get("keep")
         if (
             op.keys is None
-            or not (name or self._handles.retains(rid))
+            or not (name or keep or self._handles.retains(rid))
             or (self.allocator.has(rid) and self.allocator.num_tokens(rid))
         ):
             return 0  # keys digest rows: made only when something may use them
         keys = op.keys(step.inputs)
         self._keys[rid] = keys
+        if keep and self._handles.shared(str(keep), keys) < len(keys):
+            # Kept lazily: on first use, after an eviction, or for a prompt that departs from
+            # what the handle holds; otherwise the handle is left as it is.
+            self._handles.retain(rid, rid, str(keep), PREFIX)
         shared = min(self._handles.shared(name, keys), rows - 1) if name else 0
         if shared <= 0:
             return 0

@@ -11,11 +11,13 @@ Graph (engines in brackets)::
                                      decoder [decoder] --> PCM
 
 Walks: ``encode_voice`` (the two encoders, once per cloned voice), ``prefill`` (the talker's
-prompt: named speaker, instruction, or a cloned voice's embedding and reference codes) and
-``speak`` (frames and decoding, pipelined). The decoder's windows are upstream's
-``chunked_decode`` windows (25 frames of left context) at a streaming chunk size; for a voice
-cloned in context the first windows reach back into the reference codes, which upstream decodes
-in front of the generated ones.
+prompt: named speaker, instruction, or a cloned voice's embedding and reference codes; a
+registered voice's leading rows are computed once per talker rank and kept, evictable, under a
+handle of the voice), ``speak`` (frames and decoding, pipelined) and ``forget_voice`` (drop a
+deleted voice's handle). The decoder's windows are upstream's ``chunked_decode`` windows (25
+frames of left context) at a streaming chunk size; for a voice cloned in context the first
+windows reach back into the reference codes, which upstream decodes in front of the generated
+ones.
 """
 
 from __future__ import annotations
@@ -139,9 +141,11 @@ def _nodes() -> list[Node]:
             "talker_prefill",
             engine="talker",
             op="prefill",
-            inputs=["layout", "speaker", "sampling"],
+            inputs=["layout", "speaker", "sampling", "voice_id", "voice_rows", "resume", "keep"],
             outputs=["code", "context", "history"],
         ),
+        # A registered voice's kept prompt rows, dropped when the voice is deleted.
+        Node("talker_forget", engine="talker", op="drop", inputs=["handle"], outputs=["dropped"]),
         *predictor_nodes(),
         Node(
             "talker",
@@ -176,6 +180,7 @@ def _walks(cfg: TTSConfig, max_iterations: int) -> list[Walk]:
             outputs=["voice_encoder.speaker", "voice_encoder.codes"],
         ),
         Walk("prefill", "talker_prefill", outputs=["talker_prefill.code"]),
+        Walk("forget_voice", "talker_forget", outputs=["talker_forget.dropped"]),
         Walk("speak", Sequential(frames, "decoder"), outputs=["talker.frame", "decoder.pcm"]),
     ]
 
@@ -270,6 +275,8 @@ def build_qwen3_tts(
             "voice_input": "speaker",
             "voices": sorted(dict(cfg.speakers)),
             "clones_voices": cfg.can_clone,
+            # The program takes forget_voice=<id>: the registry drops a deleted voice's KV.
+            "keeps_voice_kv": True,
             "codec_groups": cfg.num_code_groups,
         },
         context=ContextLimit(context, _counter(tokenizer), token_chars=tokenizer.max_token_chars),

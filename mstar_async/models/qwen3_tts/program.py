@@ -7,6 +7,12 @@ instruction may also accompany a speaker), or a cloned voice (Base): ``voice`` (
 encoded for this request only) with its ``ref_text``. ``encode_only`` runs just the encoders
 and yields the ``VoicePrompt``, which is how a voice is registered.
 
+A registered voice (one with an ``id``) keeps the KV of the prompt rows every request of it
+shares (``TalkerPrompt.voice_rows``) under ``voice_handle(id)`` on the talker's rank: the
+first request there computes them, later ones fork them and compute only the rest; evictable,
+so under memory pressure they go (least recently used first) and the next request computes
+them again. ``forget_voice=<id>`` drops them (the voice registry's delete).
+
 Sampling is upstream's: ``temperature`` / ``top_k`` / ``top_p`` and ``repetition_penalty``
 (over the codebook-0 codes of the frames spoken so far) for the talker, ``subtalker_*`` for
 the code predictor. A value out of range fails the request with ``ValueError`` naming it.
@@ -27,13 +33,18 @@ from mstar_async.models.qwen3_tts.prompt import SPEAKER, PromptIds, TalkerPrompt
 from mstar_async.models.qwen3_tts.voice import VoicePrompt
 from mstar_async.outputs import AudioChunk, LatentOutput
 
-__all__ = ["REPETITION_PENALTY", "make_program"]
+__all__ = ["REPETITION_PENALTY", "make_program", "voice_handle"]
 
 _ROLE = "<|im_start|>assistant\n"
 _END = "<|im_end|>\n"
 #: Frames a request may speak by default: upstream's 12.5 Hz leaves a few frames per token.
 _FRAMES_PER_TOKEN = 8
 _MAX_DEFAULT_FRAMES = 2048
+
+
+def voice_handle(voice_id: str) -> str:
+    """The talker's KV handle of registered voice ``voice_id``."""
+    return f"voice:{voice_id}"
 
 
 def chat_ids(tokenizer: ChatTokenizer, text: str, tail: str) -> tuple[list[int], list[int]]:
@@ -124,6 +135,7 @@ def make_program(
         ref_text: str | None = None,
         x_vector_only: bool = False,
         encode_only: bool = False,
+        forget_voice: str = "",
         streaming_text: bool | None = None,
         max_tokens: int = 0,
         seed: int = 0,
@@ -136,6 +148,9 @@ def make_program(
         subtalker_top_p: float = 1.0,
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
+        if forget_voice:
+            await request.run("forget_voice", handle=voice_handle(forget_voice))
+            return
         # Checked first: a bad value fails before any audio is encoded.
         talker_sampling = SamplingParams(
             temperature=temperature,
@@ -168,8 +183,10 @@ def make_program(
             voice = VoicePrompt(torch.as_tensor(encoded["speaker"]).float(), codes, ref_text)
         if voice is not None and not isinstance(voice, VoicePrompt):
             # A registered voice (the registry's stored tensors) or any object with the same
-            # three attributes.
-            voice = VoicePrompt(voice.speaker, voice.codes, voice.transcript)
+            # attributes.
+            voice = VoicePrompt(
+                voice.speaker, voice.codes, voice.transcript, getattr(voice, "id", None)
+            )
         if encode_only:
             if voice is None:
                 raise ValueError("encode_only needs ref_audio")
@@ -192,8 +209,17 @@ def make_program(
             _MAX_DEFAULT_FRAMES, _FRAMES_PER_TOKEN * (prompt.trailing.numel() + 8)
         )
         embedding = voice.speaker if voice is not None else torch.zeros(0)
+        voice_id = voice.id if voice is not None else None
+        handle = voice_handle(voice_id) if voice_id else None
         await request.run(
-            "prefill", layout=prompt.layout, speaker=embedding, sampling=talker_sampling
+            "prefill",
+            layout=prompt.layout,
+            speaker=embedding,
+            sampling=talker_sampling,
+            voice_id=voice_id or "",
+            voice_rows=prompt.voice_rows,
+            resume=handle,
+            keep=handle,
         )
         groups = cfg.num_code_groups
         prime = torch.zeros(0, groups, dtype=torch.long)

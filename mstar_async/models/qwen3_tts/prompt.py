@@ -21,16 +21,22 @@ Upstream's layout (``Qwen3TTSForConditionalGeneration.generate``), for the chat 
   the two are added row by row over the shorter length and the text's remainder is fed per
   frame (or ``tts_pad`` fills a shorter text); non-streaming, all the text over ``pad``, then
   ``bos`` and the frames over ``tts_pad``.
+
+So a request's prompt is not a voice's prompt followed by the request's text: the reference
+frames are added to the text row by row, and only the rows before the first one that carries
+the text to speak (the instruction, the role, the codec tags with the speaker, and in context
+the rows of the reference transcript) are the same for every request of a voice
+(``TalkerPrompt.voice_rows``; ``row_keys`` says what each of them is).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SPEAKER", "PromptIds", "TalkerPrompt", "lay_out"]
+__all__ = ["SPEAKER", "PromptIds", "TalkerPrompt", "lay_out", "row_keys"]
 
 #: ``codec`` value of the row that carries the voice's speaker embedding.
 SPEAKER = -2
@@ -56,11 +62,13 @@ class PromptIds:
 
 @dataclass(frozen=True)
 class TalkerPrompt:
-    """``layout`` ``[rows, 2 + G]`` (text id, codec id, G frame codes; -1 where absent) and
-    ``trailing`` (text ids fed one per generated frame after the prompt; ``tts_pad`` after)."""
+    """``layout`` ``[rows, 2 + G]`` (text id, codec id, G frame codes; -1 where absent),
+    ``trailing`` (text ids fed one per generated frame after the prompt; ``tts_pad`` after) and
+    ``voice_rows``: how many leading rows do not depend on the text to speak."""
 
     layout: torch.Tensor
     trailing: torch.Tensor
+    voice_rows: int = 0
 
 
 def lay_out(
@@ -109,6 +117,7 @@ def lay_out(
         add(ids.tts_bos if i == len(codec) - 2 else ids.tts_pad, c)
     text = list(text)
     trailing: list[int] = []
+    voice_rows = len(rows)
     if ref_codes is None:
         if streaming_text:
             add(text[0], ids.codec_bos)
@@ -128,6 +137,8 @@ def lay_out(
         frames = [[int(c) for c in f] for f in ref_codes.tolist()]
         codec_rows: list[tuple[int, list[int]]] = [(ids.codec_bos, blank)]
         codec_rows += [(_NONE, f) for f in frames]
+        # The transcript's rows precede the text's; streamed, no further than the codec rows.
+        voice_rows += len(ref_text) if not streaming_text else min(len(ref_text), len(codec_rows))
         if not streaming_text:
             for t in seq:
                 add(t, ids.codec_pad)
@@ -140,5 +151,19 @@ def lay_out(
                 add(t, c, f)
             trailing = seq[n:]
     return TalkerPrompt(
-        torch.tensor(rows, dtype=torch.long), torch.tensor(trailing, dtype=torch.long)
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(trailing, dtype=torch.long),
+        voice_rows,
     )
+
+
+def row_keys(layout: torch.Tensor, rows: int, voice: str) -> list[Hashable]:
+    """What each of the first ``rows`` rows of ``layout`` is (``prefill_rows.prompt_keys``'s
+    role, for ``resume``): its ids as a tuple (text id, codec id, frame codes: all a row's
+    embedding depends on), but the speaker row, which is ``("speaker", voice)``: the
+    embedding of registered voice ``voice``. Pure; raises nothing for a layout of
+    ``lay_out``."""
+    keys: list[Hashable] = []
+    for row in layout[:rows].tolist():
+        keys.append(("speaker", voice) if row[1] == SPEAKER else tuple(row))
+    return keys

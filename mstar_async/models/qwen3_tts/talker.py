@@ -17,7 +17,7 @@ upstream's codebook-0 rule and the embeds-fed KV engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from mstar_async.models.qwen3_omni.talker import (
     next_code0,
     spoken,
 )
-from mstar_async.models.qwen3_tts.prompt import SPEAKER
+from mstar_async.models.qwen3_tts.prompt import SPEAKER, row_keys
 
 __all__ = ["TTSTalker", "TalkerIds", "talker_ops"]
 
@@ -151,7 +151,10 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
 
     - ``prefill``: ``layout`` (``prompt.lay_out``), ``speaker`` (the voice's embedding or an
       empty tensor), ``sampling`` -> ``code`` (codebook 0 of frame 0), ``context`` (``[2,
-      hidden]``: the code predictor's first rows), ``history`` (``[1]``).
+      hidden]``: the code predictor's first rows), ``history`` (``[1]``). For a registered
+      voice also ``voice_id``, ``voice_rows`` (the layout's leading rows every request of the
+      voice shares, keyed by ``prompt.row_keys``) and the engine's ``resume`` / ``keep`` (the
+      voice's handle): those rows' KV is computed once and reused.
     - ``decode``: ``code`` and ``codes`` (this frame), ``trailing`` (text ids fed per frame),
       ``history`` (codebook 0 of every frame so far, this one last: upstream's generated ids,
       which its repetition penalty reads) -> ``frame`` (``[G]``), and ``code``, ``context``,
@@ -186,9 +189,16 @@ def talker_ops(talker: TTSTalker, ids: TalkerIds) -> dict[str, EmbedsOp]:
             for h, inputs, s in zip(hidden, batch, samplers, strict=True)
         ]
 
+    def prefill_keys(inputs: Mapping[str, Any]) -> list[Hashable]:
+        layout = torch.as_tensor(inputs["layout"])
+        return row_keys(layout, int(inputs["voice_rows"]), str(inputs["voice_id"]))
+
     return {
         "prefill": EmbedsOp(
-            prefill_rows, prefill_done, cost=lambda i: int(torch.as_tensor(i["layout"]).shape[0])
+            prefill_rows,
+            prefill_done,
+            cost=lambda i: int(torch.as_tensor(i["layout"]).shape[0]),
+            keys=prefill_keys,
         ),
         "decode": EmbedsOp(decode_rows, decode_done),
     }

@@ -18,11 +18,15 @@ class VoicePrompt:
         codes: the reference audio's codec frames ``[frames, G]`` (long) for in-context
             cloning, or ``None`` (the embedding alone: upstream's x-vector-only mode).
         transcript: what the reference audio says; required with ``codes``.
+        id: a registered voice's id (the voice registry's; never reused for another voice):
+            the KV of the prompt rows every request of the voice shares is kept per talker
+            rank under it. None (a voice cloned for one request): nothing is kept.
     """
 
     speaker: torch.Tensor
     codes: torch.Tensor | None = None
     transcript: str | None = None
+    id: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError: codes without a transcript, or tensors of the wrong rank."""
