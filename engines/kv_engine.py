@@ -43,7 +43,7 @@ from mstar_async.engines.kv import (
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.allocator import AppendPlan
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
-from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore
+from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore, KeptKV
 from mstar_async.engines.kv.prefill_rows import check_embeds, prompt_keys
 from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
 from mstar_async.engines.kv.sequences import Before, HandleKey, SeqState
@@ -109,7 +109,7 @@ def _token_list(value: Any) -> list[int]:
     return [int(t) for t in value]
 
 
-class KVCacheEngine:
+class KVCacheEngine(KeptKV):
     """Runs ``prefill`` and ``decode`` steps of many requests in one forward each.
 
     Ops (inputs -> outputs):
@@ -217,23 +217,6 @@ class KVCacheEngine:
         self._peak_blocks = 0
         #: Prompt tokens ``resume`` took from kept sequences instead of computing them.
         self.reused_tokens = 0
-
-    @property
-    def handles(self) -> dict[str, tuple[str, int, int]]:
-        """Every handle -> (kind: ``"session"`` or ``"prefix"``, tokens, blocks it holds)."""
-        return self._handles.summary()
-
-    @property
-    def kept_blocks(self) -> int:
-        """Distinct KV blocks that handles hold (some may be shared with live sequences too)."""
-        return self._handles.kept_blocks
-
-    def drop_handle(self, handle: str) -> bool:
-        """Free ``handle``'s reference to its blocks (those still shared with live forks stay
-        until the forks end); return whether it existed. Never raises. Call it between forwards
-        (the forward thread, or the scheduler's when forwards run there); a scheduler with steps
-        parked for memory should then ``wake`` them."""
-        return self._handles.drop(handle)
 
     def _evict_one(self) -> bool:
         """The admission rule's last resort before a step waits: drop the least recently used

@@ -184,3 +184,27 @@ class HandleStore:
         del handle.keys[kept:]
         handle.row_out = {p: row for p, row in handle.row_out.items() if p < kept}
         return kept
+
+
+class KeptKV:
+    """What an engine that keeps KV in a ``HandleStore`` (its ``_handles``) shows of it: the
+    handles, the blocks they hold, and dropping one."""
+
+    _handles: HandleStore
+
+    @property
+    def handles(self) -> dict[str, tuple[str, int, int]]:
+        """Every handle -> (kind: ``"session"`` or ``"prefix"``, rows, blocks it holds)."""
+        return self._handles.summary()
+
+    @property
+    def kept_blocks(self) -> int:
+        """Distinct KV blocks that handles hold (some may be shared with live sequences)."""
+        return self._handles.kept_blocks
+
+    def drop_handle(self, handle: str) -> bool:
+        """Free ``handle``'s reference to its blocks (those still shared with live forks stay
+        until the forks end); return whether it existed. Never raises. Call it between forwards
+        (the forward thread, or the scheduler's when forwards run there); a scheduler with steps
+        parked for memory should then ``wake`` them."""
+        return self._handles.drop(handle)

@@ -40,7 +40,7 @@ from mstar_async.engines.kv import (
 )
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
-from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore
+from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore, KeptKV
 from mstar_async.engines.kv.sequences import HandleKey
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
@@ -111,7 +111,7 @@ class Sampler:
         return int(sample(row.unsqueeze(0), [self.params], [self.generator])[0])
 
 
-class EmbedsKVEngine:
+class EmbedsKVEngine(KeptKV):
     """Runs embedding-fed steps of many requests in one paged-attention forward.
 
     ``stack(x, attention)`` maps flat rows ``[n, hidden]`` to final hidden states. A request's
@@ -175,21 +175,6 @@ class EmbedsKVEngine:
     def blocks_in_use(self) -> int:
         """KV blocks held by live sequences (handles' included)."""
         return self.allocator.num_used_blocks
-
-    @property
-    def handles(self) -> dict[str, tuple[str, int, int]]:
-        """Every handle -> (kind: ``"session"`` or ``"prefix"``, rows, blocks it holds)."""
-        return self._handles.summary()
-
-    @property
-    def kept_blocks(self) -> int:
-        """Distinct KV blocks that handles hold (some may be shared with live sequences)."""
-        return self._handles.kept_blocks
-
-    def drop_handle(self, handle: str) -> bool:
-        """Free ``handle``'s blocks (those shared with live forks stay until they end); return
-        whether it existed. Never raises; call it between forwards."""
-        return self._handles.drop(handle)
 
     def cost(self, step: Step) -> int:
         """Rows the step still feeds (what is left of its prompt, or 1)."""
