@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,15 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     eos = tokenizer.token_to_id("<|im_end|>")
     write_hf_folder(folder, model, tokenizer, chat_template=CHATML_TEMPLATE, eos_ids=[eos])
     return folder
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test: tiny models on a shared 2-core machine run several
+    times faster so, and the thread count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,7 +4,6 @@ fails its step alone, and a step that waits for memory leaves no row behind."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,11 +25,8 @@ AT = torch.tensor([4, 5, 6, 7, 8, 9, 10, 15])  # a run of placeholders and one s
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 def _thinker() -> Thinker:

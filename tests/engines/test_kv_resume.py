@@ -5,7 +5,6 @@ rolls the kept sequence back to that point without touching the handle."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,11 +24,8 @@ TURN2 = [(11 * i + 5) % VOCAB for i in range(6)]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 class Counted:

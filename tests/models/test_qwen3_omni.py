@@ -4,7 +4,6 @@ audio length, the graph's nesting, a dense reference of the whole data flow, and
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -36,12 +35,8 @@ PROMPT = "Say something about the sea."
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny models on a shared 2-core machine run several times faster on one thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

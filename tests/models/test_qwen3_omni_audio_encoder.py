@@ -3,7 +3,7 @@ config, its weights loaded by upstream names (the identity mapping), in float32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -41,11 +41,8 @@ AUDIO = {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

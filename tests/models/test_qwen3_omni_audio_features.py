@@ -29,11 +29,8 @@ TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 def _pcm(seconds: float, loudest: float, width: float = 0.3, seed: int = 0) -> torch.Tensor:

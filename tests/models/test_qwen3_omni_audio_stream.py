@@ -4,7 +4,6 @@ utterance encoded whole."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -21,11 +20,8 @@ TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ shared prefix only when its handle lacks the rows."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -26,11 +26,8 @@ ROWS = torch.randn(20, CFG.hidden_size, generator=torch.Generator().manual_seed(
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 def _finish(

@@ -33,12 +33,8 @@ EVERY_PART = ("thinker.model.", "thinker.lm_head.", "talker.", "code2wav.")  # n
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Copies on two threads of a shared 2-core machine spin-wait: one thread is steadier.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ forward whose operations do not depend on which experts are picked (no host sync
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -27,11 +27,8 @@ HOST_SYNCS = ("aten._unique", "aten.nonzero", "aten.where.default", "aten._local
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on a shared 2-core machine spin-wait
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread (two on a shared 2-core machine spin-wait)."""
 
 
 @functools.cache

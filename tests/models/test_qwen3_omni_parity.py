@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import shutil
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,11 +62,8 @@ TEXT = {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

@@ -6,7 +6,6 @@ at the next turn or at once (``rewind``); the talker keeps the user turns' KV th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -23,11 +22,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 async def _say(runtime: Any, messages: list[dict[str, Any]], **inputs: Any) -> str:

@@ -5,7 +5,6 @@ rule (specials, end of speech, repetition penalty) on known logits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -32,11 +31,8 @@ TEXT = "Hello there, how are you today?"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

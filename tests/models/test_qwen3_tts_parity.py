@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +119,8 @@ IDS = PromptIds(64, 65, 70, 71, 72, 73, TTS_BOS, TTS_EOS, TTS_PAD, GROUPS)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

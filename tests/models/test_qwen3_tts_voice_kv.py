@@ -7,7 +7,6 @@ them, and a voice cloned for one request keeps nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -35,11 +34,8 @@ SMALL_KV = 6 * 16 * 2 * 2 * 2 * 16 * 4
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 @pytest.fixture(scope="module")

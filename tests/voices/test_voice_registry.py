@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,8 @@ pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread."""
 
 
 def _pcm(seconds: float = 1.0, rate: int = 24_000) -> torch.Tensor:
