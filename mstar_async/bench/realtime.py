@@ -1,23 +1,32 @@
 """Realtime sessions over ``/v1/realtime``: barge-in, server VAD's detection delay, time to first
-audio against a turn-based baseline, and playback underruns, with N sessions at once.
+audio against a turn-based baseline and after a spoken turn, and playback underruns, with N
+sessions at once.
 
 The served app (``create_app``, as ``mstar serve`` builds it, with its ``silero-vad``) runs on
 uvicorn in this process and event loop; the clients are plain websocket (and HTTP/1.1) clients
 on the same loop, talking to it over loopback. For each session count N, N sessions run this
 script at once:
 
-1. ``session.update``: instructions, the voice, server VAD that interrupts but does not answer
+1. ``session.update``: instructions, the voice, replies bounded to ``reply_tokens``
+   (``max_response_output_tokens``), server VAD that interrupts but does not answer
    (``create_response: false``);
-2. a text turn: ``conversation.item.create`` and ``response.create`` sent back to back; time to
-   first audio (TTFA) counts from the first send to the first ``response.output_audio.delta``;
-   the reply's audio deltas, as they arrive, are played by a simulated player
-   (``bench.speech.simulate_playback``): an underrun is a delta arriving after all audio before
-   it finished playing;
+2. a text turn: ``conversation.item.create`` and ``response.create`` (``max_output_tokens`` =
+   ``reply_tokens``) sent back to back; time to first audio (TTFA) counts from the first send to
+   the first ``response.output_audio.delta``; the reply's audio deltas, as they arrive, are
+   played by a simulated player (``bench.speech.simulate_playback``): an underrun is a delta
+   arriving after all audio before it finished playing;
 3. barge-in, once every session's text turn has ended: a long reply starts
    (``barge_tokens``); at its first audio the session streams a spoken sentence (the shipped
    ``audio/stop.flac``, 24 kHz, between ``lead_s`` and ``tail_s`` of silence) in 20 ms pieces
-   at real-time pace. The server's VAD reports
-   ``speech_started`` (and cancels the reply) and later ``speech_stopped``.
+   at real-time pace. The server's VAD reports ``speech_started`` (and cancels the reply) and
+   later ``speech_stopped`` (and commits the turn);
+4. a spoken turn, once every session's barge-in has ended: the input buffer cleared and every
+   item deleted (the conversation starts afresh, as the text turn's did), server VAD now
+   answers (``create_response: true``) and the session streams the same sentence; the server
+   hears it as it comes (its audio encoder runs while the user talks) and at
+   ``speech_stopped`` commits the turn and answers it within the session's
+   ``max_response_output_tokens``. Spoken TTFA counts from ``speech_stopped``'s arrival to the
+   answer's first audio delta.
 
 Then the same N text turns go, at once, through the turn-based baseline: ``POST
 /v1/chat/completions`` with ``modalities: ["text", "audio"]``, ``audio.format: pcm16``,
@@ -29,7 +38,11 @@ and from the round's last ``speech_started`` to the model's KV blocks all free, 
 millisecond); VAD delay in audio time (``audio_start_ms + prefix_padding_ms`` against the
 speech's onset in the sent audio; ``audio_end_ms - silence_duration_ms`` against its real end)
 and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA realtime
-and baseline; underruns, stall and audio delivered per wall second of the reply.
+and baseline; spoken TTFA, against the text turn's; what the encoder had left at VAD stop:
+``speech_stopped`` to ``input_audio_buffer.committed`` (the server finishes the hearing before
+it commits) and the speech it had not yet convolved (the server's
+``mstar_realtime_turn_unheard_seconds``, read in process); underruns, stall and audio delivered
+per wall second of the reply.
 """
 
 from __future__ import annotations
@@ -62,7 +75,8 @@ PIECE_S = 0.02
 MODEL = "qwen3-omni"
 INSTRUCTIONS = "Answer in one short sentence."
 TURN = "Tell me a story about a dragon."
-#: Server VAD's settings in the sessions (the API's defaults, no automatic response).
+#: Server VAD's settings in the sessions (the API's defaults, no automatic response but in the
+#: spoken turn).
 VAD = {
     "type": "server_vad",
     "threshold": 0.5,
@@ -73,6 +87,9 @@ VAD = {
 }
 _WAIT_S = 300.0
 _BARGE_IN_AIM_MS = 100.0
+_SPOKEN_AIM = 1.2
+#: The server's histogram of speech not yet encoded when a realtime turn ended.
+_UNHEARD = "mstar_realtime_turn_unheard_seconds"
 
 
 class RealtimeBenchError(RuntimeError):
@@ -187,6 +204,8 @@ class SessionFigures:
     vad_start_lag_ms: float = 0.0  # audio time
     vad_start_wall_s: float = 0.0
     vad_stop_lag_ms: float = 0.0  # audio time, silence_duration_ms taken off
+    spoken_ttfa_s: float = 0.0  # speech_stopped arrival to the answer's first audio delta
+    spoken_commit_s: float = 0.0  # speech_stopped arrival to input_audio_buffer.committed
 
 
 @dataclass
@@ -199,8 +218,8 @@ class _Events:
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))
 
-    async def until(self, kind: str) -> tuple[float, dict[str, Any]]:
-        """Read events up to the first of ``kind``; its arrival time and itself.
+    async def until(self, *kinds: str) -> tuple[float, dict[str, Any]]:
+        """Read events up to the first of one of ``kinds``; its arrival time and itself.
 
         Raises:
             RealtimeBenchError: an ``error`` event, or a failed response, came first.
@@ -213,8 +232,33 @@ class _Events:
                 event["type"] == "response.done" and event["response"]["status"] == "failed"
             ):
                 raise RealtimeBenchError(f"the session got {event}")
-            if event["type"] == kind:
+            if event["type"] in kinds:
                 return arrived, event
+
+
+async def _configure(events: _Events, config: RealtimeConfig, *, answer: bool) -> None:
+    """``session.update``: the bench's session, server VAD answering turns or not."""
+    session = {
+        "type": "realtime",
+        "instructions": INSTRUCTIONS,
+        "max_response_output_tokens": config.reply_tokens,
+        "audio": {
+            "input": {"turn_detection": {**VAD, "create_response": answer}},
+            "output": {"voice": config.voice},
+        },
+    }
+    await events.send({"type": "session.update", "session": session})
+    await events.until("session.updated")
+
+
+async def _speak(events: _Events, speech: Speech, sent: list[float]) -> None:
+    """Stream ``speech`` in 20 ms pieces at real-time pace; each piece's send time in ``sent``."""
+    begin = time.perf_counter()
+    for k, piece in enumerate(speech.pieces):
+        await anyio.sleep(max(0.0, begin + k * PIECE_S - time.perf_counter()))
+        sent.append(time.perf_counter())
+        audio = base64.b64encode(piece).decode("ascii")
+        await events.send({"type": "input_audio_buffer.append", "audio": audio})
 
 
 async def _text_turn(events: _Events, config: RealtimeConfig, figures: SessionFigures) -> None:
@@ -240,31 +284,68 @@ async def _text_turn(events: _Events, config: RealtimeConfig, figures: SessionFi
     figures.underruns, figures.stall_s = played.underruns, played.stall_s
 
 
-class BargeIns:
-    """A round's sessions in step: ``all_texts_done`` is set when every session's text turn
-    has ended (so no session's long reply loads the model while another's text turn is being
-    timed); ``all_started`` at the last ``speech_started``, whose arrival ``last`` holds."""
+async def _spoken_turn(
+    events: _Events, config: RealtimeConfig, speech: Speech, figures: SessionFigures
+) -> None:
+    # A fresh conversation, as the text turn had: the same prompt but for the user's turn.
+    await events.send({"type": "input_audio_buffer.clear"})
+    await events.until("input_audio_buffer.cleared")
+    for item_id in dict.fromkeys(
+        e["item"]["id"] for _, e in events.seen if e["type"] == "conversation.item.added"
+    ):
+        await events.send({"type": "conversation.item.delete", "item_id": item_id})
+        await events.until("conversation.item.deleted")
+    await _configure(events, config, answer=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_speak, events, speech, [])
+        stopped_at, _ = await events.until("input_audio_buffer.speech_stopped")
+        committed_at, _ = await events.until("input_audio_buffer.committed")
+        first_at, first = await events.until("response.output_audio.delta", "response.done")
+        if first["type"] == "response.done":
+            raise RealtimeBenchError("the spoken turn's reply had no audio: raise reply_tokens")
+        await events.until("response.done")
+    figures.spoken_ttfa_s = first_at - stopped_at
+    figures.spoken_commit_s = committed_at - stopped_at
+
+
+class Step:
+    """Sessions arriving at one step of the script: ``all`` is set when every one has."""
 
     def __init__(self, sessions: int) -> None:
         self.sessions = sessions
-        self.last = 0.0
-        self._count = 0
-        self._texts = 0
-        self.all_started = anyio.Event()
-        self.all_texts_done = anyio.Event()
+        self.count = 0
+        self.all = anyio.Event()
 
-    def text_done(self) -> None:
-        """One more session's text turn ended."""
-        self._texts += 1
-        if self._texts == self.sessions:
-            self.all_texts_done.set()
+    def arrive(self) -> None:
+        """One more session reached the step."""
+        self.count += 1
+        if self.count == self.sessions:
+            self.all.set()
+
+    async def reached(self) -> None:
+        """One more session reached the step; wait for the others."""
+        self.arrive()
+        await self.all.wait()
+
+
+class RoundSteps:
+    """A round's sessions in step: ``texts`` (every session's text turn has ended), ``barges``
+    (every barge-in has, its turn committed) and ``spoken`` (every spoken turn has), so that no
+    session's long reply loads the model while another's turn is being timed;
+    ``all_started`` at the last ``speech_started``, whose arrival ``last`` holds."""
+
+    def __init__(self, sessions: int) -> None:
+        self.last = 0.0
+        self.texts = Step(sessions)
+        self.barges = Step(sessions)
+        self.spoken = Step(sessions)
+        self._started = Step(sessions)
+        self.all_started = self._started.all
 
     def started(self, at: float) -> None:
         """One more session's ``speech_started`` arrived at ``at`` (``perf_counter``)."""
-        self._count += 1
         self.last = max(self.last, at)
-        if self._count == self.sessions:
-            self.all_started.set()
+        self._started.arrive()
 
 
 async def _barge_in(
@@ -272,7 +353,7 @@ async def _barge_in(
     config: RealtimeConfig,
     speech: Speech,
     figures: SessionFigures,
-    barge_ins: BargeIns | None,
+    steps: RoundSteps | None,
 ) -> None:
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": TURN}]}
     await events.send({"type": "conversation.item.create", "item": item})
@@ -281,22 +362,14 @@ async def _barge_in(
     )
     await events.until("response.output_audio.delta")
     sent: list[float] = []
-
-    async def speak() -> None:
-        begin = time.perf_counter()
-        for k, piece in enumerate(speech.pieces):
-            await anyio.sleep(max(0.0, begin + k * PIECE_S - time.perf_counter()))
-            sent.append(time.perf_counter())
-            audio = base64.b64encode(piece).decode("ascii")
-            await events.send({"type": "input_audio_buffer.append", "audio": audio})
-
     async with anyio.create_task_group() as tg:
-        tg.start_soon(speak)
+        tg.start_soon(_speak, events, speech, sent)
         started_at, started = await events.until("input_audio_buffer.speech_started")
-        if barge_ins is not None:
-            barge_ins.started(started_at)
+        if steps is not None:
+            steps.started(started_at)
         done_at, done = await events.until("response.done")
         _, stopped = await events.until("input_audio_buffer.speech_stopped")
+        await events.until("conversation.item.added")  # the turn, committed (and heard)
     onset_piece = min(int(speech.onset_s / PIECE_S), len(sent) - 1)
     figures.barge_in_done_s = done_at - started_at
     details = done["response"]["status_details"] or {}
@@ -313,14 +386,15 @@ async def _barge_in(
 
 
 async def run_session(
-    url: str, config: RealtimeConfig, speech: Speech, barge_ins: BargeIns | None = None
+    url: str, config: RealtimeConfig, speech: Speech, steps: RoundSteps | None = None
 ) -> SessionFigures:
-    """One session's script (the module docstring): its figures; its ``speech_started`` is
-    noted in ``barge_ins``. Cancel-safe: cancelling closes the socket (the server then ends
-    the session and its response).
+    """One session's script (the module docstring): its figures; its steps are noted in
+    ``steps``. Cancel-safe: cancelling closes the socket (the server then ends the session
+    and its response).
 
     Raises:
-        RealtimeBenchError: the session saw an error, or the reply was not barged into.
+        RealtimeBenchError: the session saw an error, a reply had no audio, or the reply was
+            not barged into.
         OSError: the server cannot be reached.
     """
     import websockets
@@ -330,18 +404,16 @@ async def run_session(
     async with websockets.connect(uri, max_size=None) as ws:
         events = _Events(ws)
         await events.until("session.created")
-        session = {
-            "type": "realtime",
-            "instructions": INSTRUCTIONS,
-            "audio": {"input": {"turn_detection": VAD}, "output": {"voice": config.voice}},
-        }
-        await events.send({"type": "session.update", "session": session})
-        await events.until("session.updated")
+        await _configure(events, config, answer=False)
         await _text_turn(events, config, figures)
-        if barge_ins is not None:
-            barge_ins.text_done()
-            await barge_ins.all_texts_done.wait()
-        await _barge_in(events, config, speech, figures, barge_ins)
+        if steps is not None:
+            await steps.texts.reached()
+        await _barge_in(events, config, speech, figures, steps)
+        if steps is not None:
+            await steps.barges.reached()
+        await _spoken_turn(events, config, speech, figures)
+        if steps is not None:
+            steps.spoken.arrive()
     return figures
 
 
@@ -408,13 +480,48 @@ async def chat_ttfa(url: str, config: RealtimeConfig) -> float:
 # --- rounds ----------------------------------------------------------------------------------
 
 
-async def _kv_free_after(kv_blocks: Callable[[], int], barge_ins: BargeIns) -> float:
+@dataclass(frozen=True)
+class Probes:
+    """What the bench reads from the server in its process: the model's KV blocks in use, and
+    the committed turns it has heard (how many, and the seconds of their speech its encoder had
+    not convolved when each ended, summed)."""
+
+    kv_blocks: Callable[[], int]
+    heard: Callable[[], tuple[float, float]]
+
+
+def _probes(app: Any) -> Probes:
+    runtime = app.state.server.models[MODEL].runtime
+    registry = app.state.server.metrics.registry
+
+    def heard() -> tuple[float, float]:
+        def value(suffix: str) -> float:
+            found = registry.get_sample_value(f"{_UNHEARD}_{suffix}", {"model": MODEL})
+            return float(found or 0.0)
+
+        return value("count"), value("sum")
+
+    return Probes(lambda: int(runtime.batching.kv_blocks_in_use), heard)
+
+
+async def _unheard_ms(heard: Callable[[], tuple[float, float]], steps: RoundSteps) -> float | None:
+    """The mean speech (ms) of the round's spoken turns that the encoder had not convolved at
+    their end (None if the server heard none of them)."""
+    await steps.barges.all.wait()
+    count, total = heard()
+    await steps.spoken.all.wait()
+    after_count, after_total = heard()
+    turns = after_count - count
+    return round(1000 * (after_total - total) / turns, 1) if turns else None
+
+
+async def _kv_free_after(kv_blocks: Callable[[], int], steps: RoundSteps) -> float:
     """Seconds from the round's last ``speech_started`` until ``kv_blocks()`` is 0, polled
     every millisecond (every session's reply was cancelled by then)."""
-    await barge_ins.all_started.wait()
+    await steps.all_started.wait()
     while kv_blocks():  # noqa: ASYNC110 (the engines' count: there is no event to wait on)
         await anyio.sleep(0.001)
-    return time.perf_counter() - barge_ins.last
+    return time.perf_counter() - steps.last
 
 
 def _spread(values: Sequence[float], scale: float = 1.0, digits: int = 1) -> dict[str, float]:
@@ -429,25 +536,30 @@ async def _round(
     url: str,
     config: RealtimeConfig,
     speech: Speech,
-    kv_blocks: Callable[[], int],
+    probes: Probes,
     n: int,
     chat_first: bool,
 ) -> dict[str, Any]:
     sessions: list[SessionFigures] = []
     chat: list[float] = []
-    barge_ins = BargeIns(n)
+    steps = RoundSteps(n)
     kv_free_s: list[float] = []
+    unheard_ms: list[float | None] = []
 
     async def realtime_phase() -> None:
         async def one() -> None:
-            sessions.append(await run_session(url, config, speech, barge_ins))
+            sessions.append(await run_session(url, config, speech, steps))
 
-        async def watch() -> None:
-            kv_free_s.append(await _kv_free_after(kv_blocks, barge_ins))
+        async def watch_kv() -> None:
+            kv_free_s.append(await _kv_free_after(probes.kv_blocks, steps))
+
+        async def watch_heard() -> None:
+            unheard_ms.append(await _unheard_ms(probes.heard, steps))
 
         with anyio.fail_after(_WAIT_S):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(watch)
+                tg.start_soon(watch_kv)
+                tg.start_soon(watch_heard)
                 for _ in range(n):
                     tg.start_soon(one)
 
@@ -463,6 +575,7 @@ async def _round(
     for phase in (chat_phase, realtime_phase) if chat_first else (realtime_phase, chat_phase):
         await phase()
     ttfa = [s.ttfa_s for s in sessions]
+    spoken = [s.spoken_ttfa_s for s in sessions]
     delivered = [s.audio_s / s.stream_s for s in sessions if s.stream_s > 0]
     return {
         "sessions": n,
@@ -475,6 +588,10 @@ async def _round(
         "ttfa_realtime_ms": _spread(ttfa, 1000),
         "ttfa_chat_ms": _spread(chat, 1000),
         "ttfa_realtime_over_chat_p50": round(percentile(ttfa, 50) / percentile(chat, 50), 3),
+        "spoken_ttfa_ms": _spread(spoken, 1000),
+        "spoken_over_text_ttfa_p50": round(percentile(spoken, 50) / percentile(ttfa, 50), 3),
+        "spoken_stop_to_committed_ms": _spread([s.spoken_commit_s for s in sessions], 1000),
+        "spoken_unheard_at_stop_ms_mean": unheard_ms[0],
         "reply_audio_s_p50": round(percentile([s.audio_s for s in sessions], 50), 3),
         "audio_s_per_wall_s_p50": round(percentile(delivered, 50), 2) if delivered else None,
         "underruns": sum(s.underruns for s in sessions),
@@ -523,15 +640,11 @@ async def _serve_and_measure(config: RealtimeConfig, progress: Progress) -> dict
                 if serving.done():
                     raise RealtimeBenchError("the server did not start (see the log above)")
                 await anyio.sleep(0.05)
-        runtime = app.state.server.models[MODEL].runtime
-
-        def kv_blocks() -> int:
-            return int(runtime.batching.kv_blocks_in_use)
-
+        probes = _probes(app)
         await run_session(url, replace(config, reply_tokens=2), speech)  # warm every path
         await chat_ttfa(url, config)
         for i, n in enumerate(config.sessions):
-            result = await _round(url, config, speech, kv_blocks, n, chat_first=i % 2 == 1)
+            result = await _round(url, config, speech, probes, n, chat_first=i % 2 == 1)
             results.append(result)
             progress(_progress_line(result))
     finally:
@@ -553,7 +666,8 @@ async def _serve_and_measure(config: RealtimeConfig, progress: Progress) -> dict
         systems=[
             system_entry(
                 "realtime",
-                "/v1/realtime: conversation.item.create + response.create, server VAD, barge-in",
+                "/v1/realtime: conversation.item.create + response.create, a spoken turn "
+                "answered by server VAD, barge-in",
             ),
             system_entry(
                 "chat",
@@ -574,6 +688,10 @@ def _progress_line(result: dict[str, Any]) -> str:
         f"{result['vad_start_lag_audio_ms']['p50']} ms audio / "
         f"{result['vad_start_lag_wall_ms']['p50']} ms wall; TTFA realtime "
         f"{result['ttfa_realtime_ms']['p50']} ms vs chat {result['ttfa_chat_ms']['p50']} ms; "
+        f"spoken TTFA {result['spoken_ttfa_ms']['p50']} ms "
+        f"({result['spoken_over_text_ttfa_p50']}x text), speech_stopped -> committed "
+        f"{result['spoken_stop_to_committed_ms']['p50']} ms, unheard at stop "
+        f"{result['spoken_unheard_at_stop_ms_mean']} ms; "
         f"{result['underruns']} underruns"
     )
 
@@ -591,6 +709,12 @@ def _aims(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "TTFA realtime / chat completions, p50, 1 session",
             1.25,
             None if one is None else one["ttfa_realtime_over_chat_p50"],
+            compare="<=",
+        ),
+        aim_entry(
+            "spoken TTFA (speech_stopped to first audio) / text-turn TTFA, p50, 1 session",
+            _SPOKEN_AIM,
+            None if one is None else one["spoken_over_text_ttfa_p50"],
             compare="<=",
         ),
     ]
@@ -615,7 +739,7 @@ def format_report(report: dict[str, Any]) -> str:
     header = (
         f"{'N':>3} | {'barge->done p50/max':>19} | {'->KV free':>9} | {'VAD start audio/wall':>20}"
         f" | {'VAD stop':>8} | {'TTFA rt p50':>11} | {'TTFA chat p50':>13} | {'rt/chat':>7} | "
-        f"{'underruns':>9}"
+        f"{'spoken p50':>10} | {'spoken/rt':>9} | {'stop->commit':>12} | {'underruns':>9}"
     )
     lines += [header, "-" * len(header)]
     for r in report["results"]:
@@ -626,9 +750,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"{start['p50']:>8.1f} / {r['vad_start_lag_wall_ms']['p50']:>9.1f} | "
             f"{r['vad_stop_lag_audio_ms']['p50']:>8.1f} | {r['ttfa_realtime_ms']['p50']:>11.1f} | "
             f"{r['ttfa_chat_ms']['p50']:>13.1f} | {r['ttfa_realtime_over_chat_p50']:>7.3f} | "
-            f"{r['underruns']:>9}"
+            f"{r['spoken_ttfa_ms']['p50']:>10.1f} | {r['spoken_over_text_ttfa_p50']:>9.3f} | "
+            f"{r['spoken_stop_to_committed_ms']['p50']:>12.1f} | {r['underruns']:>9}"
         )
-    lines.append("(ms; VAD lags in audio time against the speech's true onset and end)")
+    lines.append(
+        "(ms; VAD lags in audio time against the speech's true onset and end; spoken TTFA from "
+        "speech_stopped's arrival, stop->commit the encoder's last work and the commit)"
+    )
     for aim in report["aims"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[aim["met"]]
         lines.append(

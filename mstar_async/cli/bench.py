@@ -743,10 +743,12 @@ def _add_realtime_parser(kinds: Any) -> None:
         help="/v1/realtime sessions: barge-in, VAD delay, TTFA vs chat completions, underruns",
         description=(
             "N concurrent sessions against /v1/realtime of a server in this process (tiny "
-            "qwen3-omni and silero-vad): each runs a text turn, then speaks over a long reply. "
-            "Reports barge-in (speech_started to response.done and to KV free), server VAD's "
-            "detection delay against the speech's true onset and end, time to first audio "
-            "against the same turn through /v1/chat/completions, and playback underruns."
+            "qwen3-omni and silero-vad): each runs a text turn, speaks over a long reply, then "
+            "speaks a turn that server VAD answers. Reports barge-in (speech_started to "
+            "response.done and to KV free), server VAD's detection delay against the speech's "
+            "true onset and end, time to first audio against the same turn through "
+            "/v1/chat/completions and after the spoken turn's speech_stopped, what the audio "
+            "encoder had left to do at VAD stop, and playback underruns."
         ),
     )
     if realtime is None:

@@ -81,5 +81,19 @@ def test_quick_report_figures_are_consistent(report: dict[str, Any]) -> None:
         ratio = r["ttfa_realtime_ms"]["p50"] / r["ttfa_chat_ms"]["p50"]
         assert r["ttfa_realtime_over_chat_p50"] == pytest.approx(ratio, rel=0.01)
         assert r["reply_audio_s_p50"] > 0 and r["underruns"] >= 0
+        # The spoken turn was answered: its first audio came after speech_stopped, which came
+        # before the commit that waited for the encoder's last work.
+        spoken, commit = r["spoken_ttfa_ms"], r["spoken_stop_to_committed_ms"]
+        assert 0 < spoken["p50"] <= spoken["p95"] <= spoken["max"]
+        assert 0 < commit["p50"] <= spoken["p50"]
+        ratio = r["spoken_ttfa_ms"]["p50"] / r["ttfa_realtime_ms"]["p50"]
+        assert r["spoken_over_text_ttfa_p50"] == pytest.approx(ratio, rel=0.01)
+        # Every spoken turn was heard; what was left to encode is under one second of audio.
+        assert 0 <= r["spoken_unheard_at_stop_ms_mean"] < 1000
+    one = report["results"][0]
+    aim = next(a for a in report["aims"] if a["name"].startswith("spoken TTFA"))
+    assert aim["target"] == 1.2 and aim["measured"] == one["spoken_over_text_ttfa_p50"]
+    assert aim["met"] is (one["spoken_over_text_ttfa_p50"] <= 1.2)
     text = format_report(report)
-    assert "TTFA rt p50" in text and "aim barge-in" in text
+    assert "TTFA rt p50" in text and "spoken p50" in text
+    assert "aim barge-in" in text and "aim spoken TTFA" in text
