@@ -65,6 +65,7 @@ import uvicorn
 from mstar_async.bench.common import free_port, machine_info, percentile, quiet
 from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.bench.speech import simulate_playback
+from mstar_async.engines.kv.handles import KeptKV
 from mstar_async.loop import run_async
 
 Progress = Callable[[str], None]
@@ -482,9 +483,9 @@ async def chat_ttfa(url: str, config: RealtimeConfig) -> float:
 
 @dataclass(frozen=True)
 class Probes:
-    """What the bench reads from the server in its process: the model's KV blocks in use, and
-    the committed turns it has heard (how many, and the seconds of their speech its encoder had
-    not convolved when each ended, summed)."""
+    """What the bench reads from the server in its process: the model's KV blocks in use beyond
+    those the sessions keep between turns, and the committed turns it has heard (how many, and
+    the seconds of their speech its encoder had not convolved when each ended, summed)."""
 
     kv_blocks: Callable[[], int]
     heard: Callable[[], tuple[float, float]]
@@ -501,7 +502,14 @@ def _probes(app: Any) -> Probes:
 
         return value("count"), value("sum")
 
-    return Probes(lambda: int(runtime.batching.kv_blocks_in_use), heard)
+    def reply_blocks() -> int:
+        # A session keeps its conversation's KV between turns (handles): what a cancelled
+        # reply frees is what the engines hold beyond that.
+        engines = runtime.batching.engines.values()
+        kept = sum(e.kept_blocks for e in engines if isinstance(e, KeptKV))
+        return int(runtime.batching.kv_blocks_in_use) - kept
+
+    return Probes(reply_blocks, heard)
 
 
 async def _unheard_ms(heard: Callable[[], tuple[float, float]], steps: RoundSteps) -> float | None:
@@ -516,8 +524,9 @@ async def _unheard_ms(heard: Callable[[], tuple[float, float]], steps: RoundStep
 
 
 async def _kv_free_after(kv_blocks: Callable[[], int], steps: RoundSteps) -> float:
-    """Seconds from the round's last ``speech_started`` until ``kv_blocks()`` is 0, polled
-    every millisecond (every session's reply was cancelled by then)."""
+    """Seconds from the round's last ``speech_started`` until ``kv_blocks()`` (the blocks no
+    session keeps) is 0, polled every millisecond (every session's reply was cancelled by
+    then)."""
     await steps.all_started.wait()
     while kv_blocks():  # noqa: ASYNC110 (the engines' count: there is no event to wait on)
         await anyio.sleep(0.001)

@@ -54,6 +54,7 @@ def wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
 
 
 @pytest.mark.anyio
+@ONE_LOOP  # the workers' transport is what differs here, not the conductor's event loop
 async def test_same_answers_in_process_one_worker_and_codec_split() -> None:
     inputs = {"text": "same answers", "max_codes": 24, "steps": 4, "seed": 7}
     results = []

@@ -101,6 +101,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> CurveKeys:
 
 
 @pytest.mark.anyio
+@ONE_LOOP  # Ray's actors are what is under test, not the conductor's event loop
 async def test_ray_actors_serve_the_same_answers_recover_and_end_with_the_runtime(
     local_ray: Any, keys: CurveKeys
 ) -> None:
