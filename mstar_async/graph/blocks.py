@@ -64,11 +64,9 @@ class StreamEnd:
     Instances are equal; one travels between processes as itself."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True)
 class LoopStep:
-    """What a ``DynamicLoop``'s ``until`` sees after each iteration of one request (read it,
-    do not change it: one is made per iteration, and a frozen dataclass costs three times as
-    much to make)."""
+    """What a ``DynamicLoop``'s ``until`` sees after each iteration of one request."""
 
     iteration: int
     outputs: Mapping[str, Any]
