@@ -105,12 +105,10 @@ class _Line:
         self.weight = weight
         self.points = 0
         self.last_tokens = 0
-        self.last_seconds = 0.0
         self._n = self._t = self._nn = self._nt = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.last_tokens = tokens
-        self.last_seconds = seconds
         w = 1.0 if self.points == 0 else self.weight
         self._n += w * (tokens - self._n)
         self._t += w * (seconds - self._t)
@@ -236,8 +234,6 @@ class ForwardTimer:
             # At most half as large again as the last chunk: a slope fitted from a few noisy
             # points can be near zero for a while, and a grant from it hundreds of times big.
             tokens = _fit(room, per_token) if room > 0 else max(1, _fit(fixed, per_token))
-            if room > 0 and line is (self._beside if decoding else self._alone):
-                tokens = min(tokens, _last_scaled(line, room + fixed))
             return min(tokens, probe)
         # Chunks of one size so far: all their time is charged per token, which cannot tell a
         # fixed cost from a cost per token. Those that fit keep their size; one- or two-token
@@ -246,20 +242,6 @@ class ForwardTimer:
         if mean * per_token <= room * 1.001:
             return max(_fit(room, per_token), int(mean))
         return probe if mean <= 2 else max(0, _fit(room, per_token))
-
-
-def _last_scaled(line: _Line, seconds: float) -> int:
-    """The last chunk's size scaled to take ``seconds``, charging its whole time to its tokens.
-
-    Why: the line is an average over recent points, and when the newest chunk ran well past
-    the limit the average still thinks larger chunks fit (a 14-token chunk took 30 ms where
-    20 ms were allowed; the line granted 11 tokens next). The last forward says what that size
-    really took. At the right size the two agree (a fixed part included), so this cannot
-    spiral down.
-    """
-    if line.last_seconds <= 0 or line.last_tokens <= 0:
-        return line.last_tokens or 1
-    return max(1, int(line.last_tokens * seconds / line.last_seconds + 1e-6))
 
 
 def _fit(seconds: float, per_token: float) -> int:

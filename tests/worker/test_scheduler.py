@@ -411,20 +411,3 @@ def test_chunks_slowed_by_a_fixed_cost_grow_to_what_the_fixed_cost_buys() -> Non
     for _ in range(20):
         steady.observe(1, 8, 0.002 + 8 * 0.00025)  # 2 ms of chunk
     assert steady.tokens_within(0.1, decoding=True) == 8
-
-
-def test_a_chunk_that_overran_its_limit_is_not_followed_by_a_larger_share_of_it() -> None:
-    # Chunks of 10 and 14 tokens took 12 ms + 0.5 ms a token beside a 20 ms decode round; then
-    # a 14-token chunk took 30 ms over the round where 20 ms were allowed (two decode rounds in
-    # all). The line, an average over the points, still thinks 11 tokens fit; the last forward
-    # says 14 tokens cost 30 ms, so no more than 14 * 20 / 30 = 9 are granted.
-    timer = ForwardTimer()
-    timer.observe(1, 0, 0.020)
-    for i in range(12):
-        tokens = 10 + (i % 2) * 4
-        timer.observe(1, tokens, 0.020 + 0.012 + 0.0005 * tokens)
-    timer.observe(1, 14, 0.020 + 0.030)
-    assert timer.time_limit(0.1, decoding=True) == pytest.approx(0.04)
-    fixed, per_token = timer.estimate(decoding=True) or (0.0, 0.0)
-    assert int((0.02 - fixed) / per_token) == 11  # what the line alone would grant
-    assert timer.tokens_within(0.1, decoding=True) == 9
