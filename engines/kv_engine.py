@@ -43,7 +43,7 @@ from mstar_async.engines.kv import (
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.allocator import AppendPlan
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
-from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore, KeptKV
+from mstar_async.engines.kv.handles import PREFIX, HandleStore, KeptKV
 from mstar_async.engines.kv.prefill_rows import check_embeds, prompt_keys
 from mstar_async.engines.kv.queries import QueryModel, ScratchKey, run_queries
 from mstar_async.engines.kv.sequences import Before, HandleKey, SeqState
@@ -438,15 +438,9 @@ class KVCacheEngine(KeptKV):
 
     def _handle_op(self, step: Step) -> StepResult:
         """``retain``, ``attach``, ``drop`` and ``rewind``: bookkeeping only, no memory taken."""
-        name = step.inputs.get("handle")
-        if not isinstance(name, str) or not name:
-            return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
-        if step.op == "drop":
-            return {"dropped": self._handles.forget(name)}
-        if step.op == "retain":
-            kind = PREFIX if step.inputs.get("evictable") else SESSION
-            self._handles.retain(step.request_id, _key(step), name, kind)
-            return {}
+        name = self._handles.bookkeeping(step, _key(step))
+        if not isinstance(name, str):
+            return name  # drop, retain, or a step without a handle
         if step.op == "rewind":
             return self._rewind(step, name)
         if name not in self._handles:

@@ -17,9 +17,11 @@ call it between an engine's forwards.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
+from mstar_async.engines.base import Step
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import EngineError
 
@@ -132,6 +134,22 @@ class HandleStore:
         self._handles[name] = handle
         self.touch(handle)
         return handle
+
+    def bookkeeping(self, step: Step, seq: Hashable) -> dict[str, Any] | EngineError | str:
+        """A handle op's part that is the same in every engine: its ``handle`` input checked
+        (an ``EngineError`` naming the step if missing), ``drop`` and ``retain`` (of ``seq``,
+        ``evictable`` for a prefix kind) done here and their result returned; for any other op
+        the handle's name, for the engine to act on. Never raises."""
+        name = step.inputs.get("handle")
+        if not isinstance(name, str) or not name:
+            return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
+        if step.op == "drop":
+            return {"dropped": self.forget(name)}
+        if step.op == "retain":
+            kind = PREFIX if step.inputs.get("evictable") else SESSION
+            self.retain(step.request_id, seq, name, kind)
+            return {}
+        return name
 
     def retain(self, request_id: str, seq: Hashable, name: str, kind: str) -> None:
         """Keep ``seq`` under ``name`` when ``request_id`` is released (see ``released``)."""

@@ -40,7 +40,7 @@ from mstar_async.engines.kv import (
 )
 from mstar_async.engines.kv.admission import Admission, Demand
 from mstar_async.engines.kv.cache import DEFAULT_BLOCK_SIZE, paged_storage
-from mstar_async.engines.kv.handles import PREFIX, SESSION, HandleStore, KeptKV
+from mstar_async.engines.kv.handles import PREFIX, HandleStore, KeptKV
 from mstar_async.engines.kv.sequences import HandleKey
 from mstar_async.engines.kv.transfer import read_sequence, write_sequence
 from mstar_async.engines.kv_engine import StepAttention
@@ -202,15 +202,9 @@ class EmbedsKVEngine(KeptKV):
         return [handled[i] if i in handled else next(outcomes) for i in range(len(steps))]
 
     def _handle_op(self, step: Step) -> StepResult:
-        name = step.inputs.get("handle")
-        if not isinstance(name, str) or not name:
-            return EngineError(f"request {step.request_id}: {step.op} needs handle=<a name>")
-        if step.op == "drop":
-            return {"dropped": self._handles.forget(name)}
-        if step.op == "retain":
-            kind = PREFIX if step.inputs.get("evictable") else SESSION
-            self._handles.retain(step.request_id, step.request_id, name, kind)
-            return {}
+        name = self._handles.bookkeeping(step, step.request_id)
+        if not isinstance(name, str):
+            return name  # drop, retain, or a step without a handle
         return {"tokens": self._handles.rewind(name, list(step.inputs.get("keys") or ())) or 0}
 
     def _forward_rows(self, steps: Sequence[Step]) -> list[StepResult]:
