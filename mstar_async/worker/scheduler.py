@@ -104,11 +104,9 @@ class _Line:
     def __init__(self, weight: float) -> None:
         self.weight = weight
         self.points = 0
-        self.last_tokens = 0
         self._n = self._t = self._nn = self._nt = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self.last_tokens = tokens
         w = 1.0 if self.points == 0 else self.weight
         self._n += w * (tokens - self._n)
         self._t += w * (seconds - self._t)
@@ -162,6 +160,8 @@ class ForwardTimer:
         self.weight = weight
         #: A forward of one-token steps only, in seconds (None before the first).
         self.decode_s: float | None = None
+        #: The tokens of long steps in the latest forward that had any.
+        self.last_tokens = 0
         self._alone = _Line(weight)
         self._beside = _Line(weight)
 
@@ -175,6 +175,7 @@ class ForwardTimer:
                 if d is None:  # the forwards beside decodes seen so far, over this round now
                     self._beside.shift(-self.decode_s)
             return
+        self.last_tokens = long_tokens
         if short_steps:
             self._beside.observe(long_tokens, max(0.0, seconds - (d or 0.0)))
         else:
@@ -224,8 +225,9 @@ class ForwardTimer:
             return None
         fixed, per_token = estimate
         line = self._line(decoding)
-        last = max(self._alone.last_tokens, self._beside.last_tokens)
-        probe = max(2, (3 * last + 1) // 2)
+        # The latest chunk of either kind: a large one alone long ago says nothing of the
+        # chunks beside decodes now (Hypothesis found a one-token chunk followed by 258).
+        probe = max(2, (3 * self.last_tokens + 1) // 2)
         if per_token <= 0:
             return probe
         base = self.decode_s if decoding and self.decode_s is not None else 0.0

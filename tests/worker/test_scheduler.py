@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mstar_async.engines import WAIT, Step, StepResult
@@ -352,6 +352,7 @@ def test_limits_are_checked() -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@example(fixed=0.001649176934981445, per_token=0.0005711806045772628, decoders=7, prompt=200)
 @given(
     fixed=st.floats(0.0, 0.05),
     per_token=st.floats(1e-5, 2e-3),
