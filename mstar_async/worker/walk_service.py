@@ -250,11 +250,10 @@ class WalkService:
             run.group.cancel(exc)
 
     def _apply(self, walk_id: int, change: Callable[[WalkRun], None]) -> None:
-        # To the walk's run, once it has started; nothing when it has ended. A bad change
-        # fails its walk, not the worker.
-        starting = self._starting.get(walk_id)
-        if starting is not None:
-            starting.append(lambda: self._apply(walk_id, change))
+        # To the walk's run, once it has started (a peer's finished unit can come before the
+        # conductor's start does); nothing when it has ended. A bad change fails its walk, not
+        # the worker.
+        if self._later(walk_id, lambda: self._apply(walk_id, change)):
             return
         run = self.runs.get(walk_id)
         if run is None:

@@ -12,7 +12,7 @@ import torch
 
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
-from mstar_async.transport import generate_curve_keys
+from mstar_async.transport import StartWalk, generate_curve_keys
 from mstar_async.worker.launchers import LocalLauncher
 from mstar_async.worker.pool import WorkerPool
 
@@ -149,3 +149,29 @@ async def test_workers_that_reach_the_pool_over_tcp_pass_tensors_over_tcp(
         now = await stats(pool)
         assert now[1]["tensors_fetched"] == 1
         assert [s["tensors_held"] for s in now] == [0, 0]
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_what_a_peer_sends_before_the_segment_starts_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1's starts come late (a slow link): rank 0 makes h, sends it and says the unit that
+    # made it is done, all before rank 1 has heard of the walk. Both must wait for the start.
+    send = WorkerPool._send_walk_message
+
+    async def late_to_rank_1(self: WorkerPool, rank: int, message: Any) -> None:
+        if rank == 1 and isinstance(message, StartWalk):
+            await anyio.sleep(0.5)
+        await send(self, rank, message)
+
+    monkeypatch.setattr(WorkerPool, "_send_walk_message", late_to_rank_1)
+    async with open_runtime(build_handoff()) as local:
+        expected = await collect(local, x=0.5)
+    async with open_runtime(build_handoff(), placement=SPLIT) as runtime:
+        assert runtime.pool is not None
+        with anyio.fail_after(20):
+            answer = await collect(runtime, x=0.5)
+        for got, want in zip(answer, expected, strict=True):
+            assert torch.equal(got, want)
