@@ -64,9 +64,11 @@ class StreamEnd:
     Instances are equal; one travels between processes as itself."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoopStep:
-    """What a ``DynamicLoop``'s ``until`` sees after each iteration of one request."""
+    """What a ``DynamicLoop``'s ``until`` sees after each iteration of one request (read it,
+    do not change it: one is made per iteration, and a frozen dataclass costs three times as
+    much to make)."""
 
     iteration: int
     outputs: Mapping[str, Any]

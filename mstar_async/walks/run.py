@@ -14,7 +14,7 @@ are unacknowledged at once; past that the walk waits until the reader acknowledg
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -102,7 +102,10 @@ class Scope:
         parent: Scope | None,
         fixed: dict[PortRef, Any],
         iteration: int,
+        edges: Sequence[EdgePlan] | None = None,
     ) -> None:
+        # ``edges``: the plan's ``scope_edges`` of ``loop``, when the caller has looked them up
+        # once for every iteration.
         self.loop = loop
         self.parent = parent
         self.fixed = fixed
@@ -110,7 +113,7 @@ class Scope:
         self.last: dict[PortRef, Any] = {}
         self.cells: dict[EdgePlan, Cell] = {}
         self.streams: dict[EdgePlan, StreamEdge] = {}
-        for edge in run.plan.scope_edges.get(loop, ()):
+        for edge in run.plan.scope_edges.get(loop, ()) if edges is None else edges:
             if edge.streaming:
                 assert edge.edge.policy is not None
                 self.streams[edge] = StreamEdge(
@@ -452,8 +455,10 @@ class WalkRun:
         outlives = isinstance(loop, DynamicLoop) and loop.outlives_streams
         carries = [(src, tuple(dsts)) for src, dsts in loop.carry.items()]
         body = loop.body
+        edges = self.plan.scope_edges.get(loop, ())
         for iteration in range(self._iterations(loop)):
-            current = {**fixed, **carried} if carried else dict(fixed)
+            # ``carried`` is made afresh each iteration, so without imports it serves as is.
+            current = {**fixed, **carried} if fixed else carried
             for port, stream in streams.items():
                 chunk = await stream.receive()
                 if chunk is None:
@@ -462,7 +467,7 @@ class WalkRun:
                     current[port] = _ENDED
                 else:
                     current[port] = chunk
-            inner = Scope(self, loop, scope, current, iteration)
+            inner = Scope(self, loop, scope, current, iteration, edges)
             try:
                 if isinstance(body, NodeRef):
                     await self._run_node(self.plan.nodes[body.name], inner)

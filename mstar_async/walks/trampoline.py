@@ -215,10 +215,10 @@ class Trampoline:
             except Exception as exc:
                 task.group._task_ended(task, exc)
                 continue
-            if isinstance(command, Condition):
-                command.waiters.append(task)
-            elif isinstance(command, StepRequest):
+            if isinstance(command, StepRequest):  # the most frequent, tested first
                 self.submit(task, command)
+            elif isinstance(command, Condition):
+                command.waiters.append(task)
             elif isinstance(command, FetchRequest) and self.fetch is not None:
                 self.fetch(task, command)
             else:

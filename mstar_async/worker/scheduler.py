@@ -404,7 +404,10 @@ class Scheduler:
             queued.setdefault(job.engine, []).append(job)
         chosen = Round([self._choose(name, jobs) for name, jobs in queued.items()])
         taken = set(chosen.jobs)
-        self._queue = deque(j for j in self._queue if j not in taken)
+        if len(taken) == len(self._queue):
+            self._queue = deque()  # the usual round: every queued step runs
+        else:
+            self._queue = deque(j for j in self._queue if j not in taken)
         self._in_flight |= taken
         return chosen
 
@@ -433,12 +436,10 @@ class Scheduler:
         for batch in round.batches:
             self._in_flight.difference_update(batch.jobs)
             self._account(batch)
-            live = [
-                (job, outcome)
-                for job, outcome in zip(batch.jobs, batch.outcomes, strict=True)
-                if job not in self._withdrawn
-            ]
-            self._withdrawn.difference_update(batch.jobs)
+            live = list(zip(batch.jobs, batch.outcomes, strict=True))
+            if self._withdrawn:
+                live = [(job, outcome) for job, outcome in live if job not in self._withdrawn]
+                self._withdrawn.difference_update(batch.jobs)
             if live and all(outcome is WAIT for _, outcome in live):
                 self._stalled(batch.engine, [job for job, _ in live], done, again)
                 continue
