@@ -49,6 +49,11 @@ class Engine(Protocol):
     ``forward``, ``release``, ``export_state`` and ``import_state`` are synchronous and run off
     the event loop's thread, one call at a time per worker, so an engine needs no locks of its
     own. ``cost`` runs on the scheduler's thread between forwards.
+
+    An engine whose steps leave nothing behind in it (a step's outputs are all it does) may
+    say so with a class attribute ``stateless_steps = True``: the worker then launches a loop's
+    next step before the walk has read this one's outputs and decided to go on, and drops it
+    if the walk stops, which costs nothing but the step.
     """
 
     def cost(self, step: Step) -> int:

@@ -39,6 +39,8 @@ class StatelessEngine:
         ValueError: ``ops`` is empty.
     """
 
+    stateless_steps = True  # a step run ahead and dropped leaves nothing behind
+
     def __init__(
         self,
         ops: Mapping[str, Op],

@@ -23,7 +23,9 @@ and 1, so requests split between two worker processes).
 Forwards are counted in the engine: every output carries the id of the process that ran it
 and that engine's forward number, so the forwards of a measurement are the rise of the
 highest forward number seen per process (in process this is checked against the batching
-loop's own count). Rounds per second are forwards over wall time (summed over workers).
+loop's own count, within one: a run's last forward may hold only the steps launched ahead of
+loops that then stopped, which no output stamps, so the next run's stamps count it). Rounds
+per second are forwards over wall time (summed over workers).
 
 Noise control: every system is warmed up at every N first; then per N the systems run in
 turn, their order reversed every repetition, with a garbage collection before each
@@ -325,8 +327,10 @@ async def _measure(system: _System, n: int, iterations: int) -> _Sample:
     forwards = {pid: last - system.forwards_seen.get(pid, 0) for pid, last in tally.last.items()}
     system.forwards_seen.update(tally.last)
     if batching is not None and loop_before is not None:
+        # The last forward of a run may carry only steps launched ahead of loops that then
+        # stopped (dropped, so no output stamps it): the stamps see it in the next run.
         counted = batching.stats.forwards - loop_before
-        if counted != sum(forwards.values()):
+        if abs(counted - sum(forwards.values())) > 1:
             raise BenchmarkError(f"engine stamps say {forwards} forwards, the loop {counted}")
     if sum(tally.steps.values()) != n * iterations:
         raise BenchmarkError(f"{sum(tally.steps.values())} outputs, expected {n * iterations}")

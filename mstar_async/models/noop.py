@@ -45,6 +45,8 @@ class NoopEngine:
         ValueError: ``forward_ms`` is negative.
     """
 
+    stateless_steps = True  # a step run ahead and dropped leaves nothing behind
+
     def __init__(self, forward_ms: float = 0.0) -> None:
         if not forward_ms >= 0:
             raise ValueError(f"forward_ms must be >= 0, got {forward_ms!r}")

@@ -37,6 +37,7 @@ from mstar_async.graph import (
 from mstar_async.transport import TensorRef
 from mstar_async.walks.edge import StreamEdge
 from mstar_async.walks.trampoline import (
+    Chain,
     Condition,
     FetchRequest,
     Flag,
@@ -93,7 +94,7 @@ class Cell:
 class Scope:
     """The walk's top level, or one iteration of a loop."""
 
-    __slots__ = ("cells", "fixed", "iteration", "last", "loop", "parent", "streams")
+    __slots__ = ("cells", "chain", "fixed", "iteration", "last", "loop", "parent", "streams")
 
     def __init__(
         self,
@@ -110,6 +111,8 @@ class Scope:
         self.parent = parent
         self.fixed = fixed
         self.iteration = iteration
+        #: Set where this iteration's one node feeds the next iteration's (see ``_chain``).
+        self.chain: Chain | None = None
         self.last: dict[PortRef, Any] = {}
         self.cells: dict[EdgePlan, Cell] = {}
         self.streams: dict[EdgePlan, StreamEdge] = {}
@@ -391,7 +394,7 @@ class WalkRun:
     async def _fire(self, facts: _NodeFacts, inputs: dict[str, Any], scope: Scope) -> None:
         node = facts.node
         outputs = await StepRequest(
-            self.request_id, node.engine, node.op, inputs, node.name, self._walk_name
+            self.request_id, node.engine, node.op, inputs, node.name, self._walk_name, scope.chain
         )
         for port, ref, edges, persisted, name in facts.outputs:
             if port not in outputs:
@@ -456,7 +459,9 @@ class WalkRun:
         carries = [(src, tuple(dsts)) for src, dsts in loop.carry.items()]
         body = loop.body
         edges = self.plan.scope_edges.get(loop, ())
-        for iteration in range(self._iterations(loop)):
+        chain = None if streams else self._chain(loop)
+        last_iteration = self._iterations(loop) - 1
+        for iteration in range(last_iteration + 1):
             # ``carried`` is made afresh each iteration, so without imports it serves as is.
             current = {**fixed, **carried} if fixed else carried
             for port, stream in streams.items():
@@ -468,6 +473,8 @@ class WalkRun:
                 else:
                     current[port] = chunk
             inner = Scope(self, loop, scope, current, iteration, edges)
+            if iteration < last_iteration:
+                inner.chain = chain
             try:
                 if isinstance(body, NodeRef):
                     await self._run_node(self.plan.nodes[body.name], inner)
@@ -485,6 +492,25 @@ class WalkRun:
                     named = await _fetched(named)
                 if until(LoopStep(iteration, named, self.params)):
                     return
+
+    def _chain(self, loop: Loop | DynamicLoop) -> Chain | None:
+        """Where a loop's body is one node that takes every carry from its own outputs, the
+        next iteration's step is this one's with those outputs as inputs: the pairs, else
+        None. Its other inputs come from outside the loop and stay as they are."""
+        body = loop.body
+        if not isinstance(body, NodeRef) or not loop.carry:
+            return None
+        node = self.plan.nodes[body.name]
+        facts = self._facts.get(node.name) or _NodeFacts(self, node)
+        if facts.fed is not None or facts.streamed is not None:
+            return None
+        pairs = []
+        for src, dsts in loop.carry.items():
+            for dst in dsts:
+                if src.node != node.name or dst.node != node.name:
+                    return None
+                pairs.append((src.port, dst.port))
+        return tuple(pairs)
 
     def _named(self, last: Mapping[PortRef, Any]) -> tuple[dict[str, Any], bool]:
         """``last`` by port name, and whether any value is a handle to fetch."""

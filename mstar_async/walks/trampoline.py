@@ -63,11 +63,21 @@ class Flag:
             await self._cond
 
 
+#: How a loop's next step follows from this one: ``(output port, input port)`` pairs, the
+#: outputs of this step that become the inputs of the next (every other input stays as is).
+Chain = tuple[tuple[str, str], ...]
+
+
 class StepRequest:
     """What a node coroutine awaits to run one step: the worker submits it to the engine
-    named ``engine`` and resumes the coroutine with the step's outputs (or throws its error)."""
+    named ``engine`` and resumes the coroutine with the step's outputs (or throws its error).
 
-    __slots__ = ("engine", "inputs", "node", "op", "request_id", "walk")
+    ``chain``, where set, says the walk's next step is this one's with the chained outputs as
+    inputs, unless the walk stops first (a loop's ``until``): a worker may launch that next
+    step before the walk asks for it, and the walk then takes it if it asks for the same.
+    """
+
+    __slots__ = ("chain", "engine", "inputs", "node", "op", "request_id", "walk")
 
     def __init__(
         self,
@@ -77,6 +87,7 @@ class StepRequest:
         inputs: dict[str, Any],
         node: str,
         walk: str = "",
+        chain: Chain | None = None,
     ) -> None:
         self.request_id = request_id
         self.engine = engine
@@ -84,6 +95,7 @@ class StepRequest:
         self.inputs = inputs
         self.node = node
         self.walk = walk
+        self.chain = chain
 
     def __await__(self) -> Generator[StepRequest, Any, dict[str, Any]]:
         outputs: dict[str, Any] = yield self
@@ -105,14 +117,16 @@ class FetchRequest:
 
 
 class Task:
-    """One suspended coroutine and the group (a walk) it belongs to."""
+    """One suspended coroutine and the group (a walk) it belongs to. ``ahead`` is whatever
+    the driver launched for it before it asked (see ``StepRequest.chain``); the driver's own."""
 
-    __slots__ = ("coro", "done", "group")
+    __slots__ = ("ahead", "coro", "done", "group")
 
     def __init__(self, coro: Coroutine[Any, Any, None], group: TaskGroup) -> None:
         self.coro = coro
         self.group = group
         self.done = False
+        self.ahead: Any = None
 
 
 class TaskGroup:
@@ -190,12 +204,27 @@ class Trampoline:
         #: their steps drops them (a chunked prefill must not go on for a closed walk).
         self.on_abandon: Callable[[list[Task]], None] | None = None
         self.ready: deque[tuple[Task, Any]] = deque()
+        #: Woken tasks that may wait for ``run_later``: their next step is launched already.
+        self.later: deque[tuple[Task, Any]] = deque()
         self.groups = 0  # task groups (walks) not ended yet
 
     def wake(self, task: Task, value: Any) -> None:
         """Make ``task`` ready to resume with ``value`` (an exception is thrown into it)."""
         if not task.done:
             self.ready.append((task, value))
+
+    def wake_later(self, task: Task, value: Any) -> None:
+        """``wake``, but resumed by ``run_later`` (its driver has something better to do
+        first: launch the forward that runs the task's next step)."""
+        if not task.done:
+            self.later.append((task, value))
+
+    def run_later(self) -> None:
+        """Resume the tasks ``wake_later`` woke, then every task that is ready. Never raises."""
+        if self.later:
+            self.ready.extend(self.later)
+            self.later.clear()
+        self.run_ready()
 
     def run_ready(self) -> None:
         """Resume ready tasks until none is ready. Never raises: a task's error ends its group."""
@@ -210,10 +239,10 @@ class Trampoline:
                 else:
                     command = task.coro.send(value)
             except StopIteration:
-                task.group._task_ended(task, None)
+                self._ended(task, None)
                 continue
             except Exception as exc:
-                task.group._task_ended(task, exc)
+                self._ended(task, exc)
                 continue
             if isinstance(command, StepRequest):  # the most frequent, tested first
                 self.submit(task, command)
@@ -227,3 +256,8 @@ class Trampoline:
                 )
                 task.group._task_ended(task, error)
                 task.coro.close()
+
+    def _ended(self, task: Task, error: BaseException | None) -> None:
+        task.group._task_ended(task, error)
+        if task.ahead is not None and self.on_abandon is not None:
+            self.on_abandon([task])  # what was launched ahead for it is not wanted now

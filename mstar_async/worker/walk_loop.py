@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -33,7 +34,7 @@ from mstar_async.transport import StepCall
 from mstar_async.walks.handle import RunningWalk
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
 from mstar_async.walks.segment import SegmentRun, SegmentSink
-from mstar_async.walks.trampoline import StepRequest, Task, Trampoline
+from mstar_async.walks.trampoline import Chain, StepRequest, Task, Trampoline
 from mstar_async.worker.scheduler import BatchStats, Job, Round, Scheduler
 
 #: Forwards measured faster than this run on the event loop's thread: a hand-off to the forward
@@ -42,6 +43,8 @@ INLINE_BELOW_S = 250e-6
 #: How long back-to-back inline rounds may hold the event loop before others get a turn.
 SLICE_S = 0.002
 _EMA = 0.2  # weight of the newest forward time in the running estimate
+#: How long ``ForwardThread.start`` waits for the thread to take a job (a thread wake-up).
+TAKE_WAIT_S = 0.002
 
 
 T = TypeVar("T")
@@ -60,12 +63,14 @@ class ForwardThread:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._taken = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while (item := self._jobs.get()) is not None:
             fn, loop, future = item
+            self._taken.set()
             try:
                 fn()
             except BaseException as exc:  # handed to the awaiting loop
@@ -73,13 +78,23 @@ class ForwardThread:
             else:
                 loop.call_soon_threadsafe(_settle, future, None)
 
+    def start(self, fn: Callable[[], None]) -> asyncio.Future[None]:
+        """Start ``fn`` on the thread; the future settles when it has run (with its error).
+        Returns once the thread has taken ``fn`` (or after ``TAKE_WAIT_S``)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._taken.clear()
+        self._jobs.put((fn, loop, future))
+        # The thread needs the GIL to take the job: waiting here hands it over. Otherwise
+        # Python code the caller runs next keeps it for up to the interpreter's switch
+        # interval (5 ms), and the forward starts only once that code is done.
+        self._taken.wait(TAKE_WAIT_S)
+        return future
+
     async def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the thread and wait for it. Not cancel-safe on its own: a cancelled
         wait leaves ``fn`` running; callers wait for it to finish before touching its state."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._jobs.put((fn, loop, future))
-        await future
+        await self.start(fn)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` run on the thread, its result or its exception. Not cancel-safe on its
@@ -310,6 +325,9 @@ class WalkLoop:
         while True:
             self.trampoline.run_ready()
             if not self.scheduler.has_work:
+                if self.trampoline.later:
+                    self.trampoline.run_later()  # what ran ahead for them was withdrawn
+                    continue
                 await self._idle()
                 slice_start = time.perf_counter()
                 continue
@@ -358,25 +376,61 @@ class WalkLoop:
 
         if threaded:
             assert self._thread is not None
-            await self._thread.run(forward)
+            running = self._thread.start(forward)
+            # Walks whose next step is in this forward already (launched ahead) take their
+            # last outputs now, off the forward's critical path.
+            self.trampoline.run_later()
+            await running
         else:
             forward()
+            self.trampoline.run_later()
         self._estimates[key] = took if estimate is None else estimate + _EMA * (took - estimate)
         return threaded
 
     def _abandoned(self, tasks: list[Task]) -> None:
         # A cancelled walk's steps leave the queue now, not when its request is released: a
         # long prefill would otherwise go on chunk after chunk until the release arrived.
+        for task in tasks:
+            task.ahead = None
         if self.scheduler.withdraw_owned(set(tasks)):
             self.kick()
 
     def _submit_step(self, task: Task, request: StepRequest) -> None:
+        ahead: _WalkJob | None = task.ahead
+        if ahead is not None:
+            task.ahead = None
+            if ahead.answers(request):
+                ahead.chain = request.chain
+                if ahead.outcome is not None:  # else it is queued or running: resumed then
+                    self._resume(ahead, ahead.outcome)
+                return
+            self.scheduler.withdraw(ahead)  # the walk went another way (its loop ended)
+        step = Step(request.request_id, request.op, request.inputs)
         try:
-            self.scheduler.submit(
-                Job(request.engine, Step(request.request_id, request.op, request.inputs), task)
-            )
+            self.scheduler.submit(_WalkJob(request.engine, step, task, request.chain))
         except MstarError as exc:
             self.trampoline.wake(task, exc)
+
+    def _run_ahead(self, job: _WalkJob, task: Task, outputs: dict[str, Any]) -> bool:
+        """Queue the step the walk will ask for next if its loop goes on (``StepRequest.chain``)
+        where the engine keeps nothing of a step whose outputs are then dropped; True if it
+        did. The walk resumes after the next forward has started (``wake_later``), so its
+        outputs and ``until`` are worked out while the engine runs that step."""
+        chain = job.chain
+        if chain is None or not getattr(self.engines.get(job.engine), "stateless_steps", False):
+            return False
+        inputs = dict(job.step.inputs)
+        for output, port in chain:
+            if output not in outputs:
+                return False  # the walk fails on it as it resumes
+            inputs[port] = outputs[output]
+        ahead = _WalkJob(job.engine, Step(job.step.request_id, job.step.op, inputs), task, chain)
+        try:
+            self.scheduler.submit(ahead)
+        except MstarError:
+            return False  # the engine was swapped out: the walk asks for itself
+        task.ahead = ahead
+        return True
 
     def _resume(self, job: Job, outcome: dict[str, Any] | BaseException | None) -> None:
         if isinstance(outcome, BaseException):
@@ -385,6 +439,14 @@ class WalkLoop:
         if isinstance(owner, Task):
             if outcome is None:
                 return  # the walk is being cancelled with its request
+            if isinstance(job, _WalkJob):
+                if owner.ahead is job:
+                    job.outcome = outcome  # ran ahead: kept until the walk asks for it
+                    return
+                if isinstance(outcome, dict) and not owner.done:
+                    if self._run_ahead(job, owner, outcome):
+                        self.trampoline.wake_later(owner, outcome)
+                        return
             self.trampoline.wake(owner, outcome)
         elif isinstance(owner, asyncio.Future) and not owner.done():
             if outcome is None:
@@ -395,6 +457,26 @@ class WalkLoop:
                 owner.set_exception(outcome)
             else:
                 owner.set_result(outcome)
+
+
+@dataclass(slots=True, eq=False)
+class _WalkJob(Job):
+    """A walk's step: the chain to its next step, if any, and, for a step launched ahead of
+    its walk (``WalkLoop._run_ahead``), its outcome once it ran."""
+
+    chain: Chain | None = None
+    outcome: dict[str, Any] | BaseException | None = None
+
+    def answers(self, request: StepRequest) -> bool:
+        """Whether this step is the one ``request`` asks for: the same engine, op and inputs
+        (the very objects: the walk passes on the outputs it was given)."""
+        step = self.step
+        if request.engine != self.engine or request.op != step.op:
+            return False
+        mine, theirs = step.inputs, request.inputs
+        return len(mine) == len(theirs) and all(
+            name in mine and mine[name] is value for name, value in theirs.items()
+        )
 
 
 def _released(job: Job) -> RequestCancelled:

@@ -74,8 +74,10 @@ def test_every_request_iteration_counted(report: dict[str, Any]) -> None:
         assert sum(row["steps_by_process"]) == n * K
         assert len(row["steps_by_process"]) == 1  # one engine process in both systems
         (sample,) = row["samples"]
-        # Each request's iterations run one after another: at least K forwards, at most N*K.
-        assert K <= sample["forwards"] <= n * K
+        # Each request's iterations run one after another: at least K forwards, at most N*K
+        # plus one per request for its step launched ahead of the loop's stop (a forward of
+        # its own when the requests do not overlap) and the one the run before left unstamped.
+        assert K <= sample["forwards"] <= n * (K + 1) + 1
         assert row["forwards"]["median"] == sample["forwards"]
         assert row["mean_batch"]["median"] == pytest.approx(n * K / sample["forwards"], 1e-3)
 

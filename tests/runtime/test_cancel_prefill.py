@@ -92,5 +92,7 @@ async def test_cancel_mid_prefill_on_a_worker(tiny_folder: Path) -> None:
     # The forward in flight (at most about the bound, or two decode rounds) plus the budget.
     print(f"freed {freed_in * 1000:.1f} ms after cancel; forwards {forwards_at_free - forwards}")
     assert freed_in < BUDGET + 2 * BOUND_S
-    assert forwards_at_free - forwards <= 1  # at most the forward in flight: no chunk after
+    # The count read before the cancel can be a forward old when the cancel leaves (a loaded
+    # machine answers slowly), and one forward may be in flight when it arrives: no more.
+    assert forwards_at_free - forwards <= 2
     assert later == forwards_at_free

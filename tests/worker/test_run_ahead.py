@@ -1,0 +1,167 @@
+"""A loop's next step launched before its walk asks for it: where the engine keeps nothing of a
+step, the worker starts the next forward first and lets the walk read its outputs and run
+``until`` while that forward runs. The walk's outputs are the same; a step run ahead of a loop
+that then stops is dropped; an engine that keeps state never sees a step its walk did not ask
+for; a cancelled walk leaves nothing queued."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from mstar_async.engines import Step, StepResult
+from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, PortRef, Walk
+from mstar_async.worker.walk_loop import WalkLoop
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+STOP_AT = 6  # the loop stops once its counter reaches this
+
+
+class Ticker:
+    """Adds one to ``n``; each forward sleeps 2 ms (a forward worth running off the loop)."""
+
+    def __init__(self, stateless: bool) -> None:
+        self.stateless_steps = stateless
+        self.seen: list[int] = []
+
+    def cost(self, step: Step) -> int:
+        return 1
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        time.sleep(0.002)
+        self.seen.extend(int(s.inputs["n"]) for s in steps)
+        return [{"n": int(s.inputs["n"]) + 1} for s in steps]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def export_state(self, request_id: str) -> None:
+        return None
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        pass
+
+
+def _stop(step: LoopStep) -> bool:
+    return int(step.outputs["tick.n"]) >= STOP_AT
+
+
+async def _program(request: Any) -> AsyncGenerator[Any, None]:
+    yield await request.run("count", n=0)
+
+
+def counting_model(max_iterations: int = 100) -> Model:
+    loop = DynamicLoop(
+        "tick", until=_stop, max_iterations=max_iterations, carry={"tick.n": "tick.n"}
+    )
+    return Model(
+        "ticks",
+        nodes=[Node("tick", engine="e", inputs=["n"], outputs=["n"])],
+        walks=[Walk("count", loop, outputs=["tick.n"])],
+        program=_program,
+        components={"e": lambda: Ticker(stateless=True)},
+    )
+
+
+class Sink:
+    """Records each output and whether a forward was running when the walk made it."""
+
+    def __init__(self, loop: WalkLoop) -> None:
+        self.loop = loop
+        self.values: list[int] = []
+        self.during_forward: list[bool] = []
+        self.ended = anyio.Event()
+        self.error: BaseException | None = None
+
+    def emit(self, port: str, value: Any, iteration: int) -> None:
+        self.values.append(int(value))
+        self.during_forward.append(self.loop._in_round)
+
+    def end(self, persisted: dict[PortRef, Any], error: BaseException | None) -> None:
+        self.error = error
+        self.ended.set()
+
+
+async def until(done: Callable[[], bool]) -> None:
+    """Poll ``done`` until it holds (the caller's deadline bounds the wait)."""
+    while True:
+        if done():
+            return
+        await anyio.sleep(0.005)
+
+
+async def run_walk(stateless: bool, *, max_iterations: int = 100) -> tuple[Ticker, Sink]:
+    engine = Ticker(stateless)
+    loop = WalkLoop({"e": engine}, inline_below_s=0.0)  # every forward on the thread
+    sink = Sink(loop)
+    plan = counting_model(max_iterations).plan("count")
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run)
+        run = loop.start_walk(plan, "r1", {PortRef("tick", "n"): 0}, {}, {}, sink, window=1000)
+        with anyio.fail_after(20):
+            await sink.ended.wait()
+            await until(lambda: not (loop.scheduler.has_work or loop.trampoline.later))
+            await until(lambda: not loop._in_round)  # a step launched ahead ends, dropped
+        assert run.ended
+        tg.cancel_scope.cancel()
+    assert loop.walks_running == 0
+    return engine, sink
+
+
+async def test_a_stateless_engine_runs_the_next_step_while_the_walk_reads_this_one() -> None:
+    engine, sink = await run_walk(stateless=True)
+    assert sink.error is None
+    assert sink.values == list(range(1, STOP_AT + 1))
+    # Every output was read while the forward of the step after it ran.
+    assert all(sink.during_forward), sink.during_forward
+    # The loop stopped at 6: the step that would make 7 had been launched and was dropped.
+    assert engine.seen == list(range(STOP_AT + 1))
+
+
+async def test_an_engine_that_keeps_state_only_runs_what_its_walk_asks_for() -> None:
+    engine, sink = await run_walk(stateless=False)
+    assert sink.error is None
+    assert sink.values == list(range(1, STOP_AT + 1))
+    assert not any(sink.during_forward)  # outputs are read between forwards
+    assert engine.seen == list(range(STOP_AT))
+
+
+async def test_no_step_is_launched_past_the_loops_last_iteration() -> None:
+    engine, sink = await run_walk(stateless=True, max_iterations=3)
+    assert sink.values == [1, 2, 3]
+    assert engine.seen == [0, 1, 2]
+
+
+async def test_a_cancelled_walk_leaves_no_step_behind() -> None:
+    engine = Ticker(stateless=True)
+    loop = WalkLoop({"e": engine}, inline_below_s=0.0)
+    sink = Sink(loop)
+    never = DynamicLoop(
+        "tick", until=lambda s: False, max_iterations=10**6, carry={"tick.n": "tick.n"}
+    )
+    plan = Model(
+        "endless",
+        nodes=[Node("tick", engine="e", inputs=["n"], outputs=["n"])],
+        walks=[Walk("count", never, outputs=["tick.n"])],
+        program=_program,
+        components={"e": lambda: Ticker(stateless=True)},
+    ).plan("count")
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run)
+        run = loop.start_walk(plan, "r1", {PortRef("tick", "n"): 0}, {}, {}, sink, window=1000)
+        with anyio.fail_after(20):
+            await until(lambda: len(sink.values) >= 20)
+            run.cancel()
+            loop.kick()
+            await until(lambda: not (loop.scheduler.has_work or loop._in_round))
+        tg.cancel_scope.cancel()
+    assert sink.ended.is_set() and sink.error is None
+    assert loop.walks_running == 0
+    assert not loop.trampoline.later and not loop.trampoline.ready
+    # At most the step in flight when the cancel came ran after the last output read.
+    assert len(engine.seen) <= len(sink.values) + 2
