@@ -66,7 +66,8 @@ class PlacedExecutor:
     ``WalkHost`` for the walks workers run whole: on one rank, or as one segment per rank.
 
     A node placed on several ranks is a replica set: a request goes to the least loaded
-    replica and stays there (its state lives on one rank).
+    replica and stays there (its state lives on one rank), unless ``pin_replica`` sends it to
+    one in particular (``RequestContext.run_on_replicas``).
 
     Large step outputs stay on the worker that made them: a step's outputs may hold
     :class:`~mstar_async.transport.TensorRef` handles, which later steps take as inputs as they
@@ -92,6 +93,23 @@ class PlacedExecutor:
         if len(ranks) == 1:
             return ranks[0]
         return self.router.route(call.request_id, call.engine, ranks).rank
+
+    def replica_count(self, plan: WalkPlan) -> int:
+        """The most replicas any engine of ``plan`` has in that walk (1: none replicated)."""
+        ranks = self.placement.engine_ranks[plan.walk.name].values()
+        return max((len(r) for r in ranks), default=1)
+
+    def pin_replica(self, request_id: str, plan: WalkPlan, replica: int) -> None:
+        """Send ``request_id``'s steps of each replicated engine of ``plan`` to that engine's
+        replica number ``replica`` (modulo its count: with N replicas, ``replica`` 0..N-1 reach
+        each once) until ``release(request_id)``. Call it before the request runs anything.
+
+        Raises:
+            ValueError: the request already runs one of those engines on another replica.
+        """
+        for engine, ranks in self.placement.engine_ranks[plan.walk.name].items():
+            if len(ranks) > 1:
+                self.router.pin(request_id, engine, ranks[replica % len(ranks)])
 
     def _node_ranks(self, request_id: str, plan: WalkPlan) -> dict[str, int] | None:
         """The rank each node of ``plan`` runs on for this request, or ``None`` when the

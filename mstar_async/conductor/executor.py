@@ -6,6 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mstar_async.graph import WalkPlan
 from mstar_async.transport import StepCall, TensorRef
 
 
@@ -32,6 +33,24 @@ class TensorFetcher(Protocol):
 
     async def fetch(self, ref: TensorRef) -> torch.Tensor:
         """The tensor behind ``ref``; cancel-safe."""
+        ...
+
+
+@runtime_checkable
+class ReplicaPinner(Protocol):
+    """An executor whose engines may run as several replicas, and that can send a request to
+    one replica in particular (what ``RequestContext.run_on_replicas`` needs). An executor
+    without replicas (the in-process batching loop) need not be one."""
+
+    def replica_count(self, plan: WalkPlan) -> int:
+        """How many runs reach every replica of ``plan``'s engines: the most replicas any of
+        them has in that walk (1: none is replicated)."""
+        ...
+
+    def pin_replica(self, request_id: str, plan: WalkPlan, replica: int) -> None:
+        """Send ``request_id``'s steps of each replicated engine of ``plan`` to that engine's
+        replica number ``replica`` (modulo its count), until ``release(request_id)``. Call it
+        before the request runs anything."""
         ...
 
 

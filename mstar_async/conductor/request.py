@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+import anyio
 from anyio.abc import TaskGroup
 
-from mstar_async.conductor.executor import StepExecutor
+from mstar_async.conductor.executor import ReplicaPinner, StepExecutor
 from mstar_async.conductor.metrics import RequestMetrics
 from mstar_async.conductor.walk_stream import WalkHost, WalkStream
 from mstar_async.errors import WalkInputError
@@ -117,6 +118,74 @@ class RequestContext:
             async for event in events:
                 last[event.port] = event.value
         return WalkResult(last)
+
+    async def run_on_replicas(
+        self, walk: str, params: Mapping[str, Any] | None = None, **inputs: Any
+    ) -> list[WalkResult]:
+        """Run walk ``walk`` once on every replica of the engines it uses, and return each
+        run's outputs (as ``run``'s, by replica number).
+
+        For work on what each replica keeps beyond one request, which a routed request would
+        do on one replica only: dropping a KV handle every replica may hold (a deleted voice).
+        When the executor replicates an engine of the walk over N ranks, the walk runs N times
+        at once (N: the most replicas any of its engines has), run ``i`` on replica ``i`` of
+        each (modulo its count); otherwise (no replicas, or engines in this process) it runs
+        once, as ``run``. Each replica's run is a request of its own to the executor
+        (``<request id>@<i>``), released when it ends, however it ends; it sees the values
+        this request persisted so far, and what it persists is not kept (every replica would
+        make its own). Every run goes to its end even when another fails.
+
+        Cancel-safe: cancelling stops every run and releases each on its ranks.
+
+        Raises:
+            GraphError: the model has no such walk.
+            WalkInputError: an input names no free input port of the walk, or the walk takes
+                a streamed input (one stream cannot feed several runs).
+            RequestError, EngineError: a run failed (the first failure, by replica number).
+        """
+        plan = self.model.plan(walk)
+        if plan.input_streams:
+            raise WalkInputError(
+                f"walk {walk!r} takes a streamed input, so it cannot run on every replica"
+            )
+        pinner = self.executor if isinstance(self.executor, ReplicaPinner) else None
+        count = 1 if pinner is None else pinner.replica_count(plan)
+        if pinner is None or count == 1:
+            return [await self.run(walk, params, **inputs)]
+        _bind_inputs(plan, inputs)  # a bad input fails here, not once per replica
+        outcomes: dict[int, WalkResult | Exception] = {}
+
+        async def run_on(replica: int) -> None:
+            request = self._replica(replica)
+            try:
+                pinner.pin_replica(request.request_id, plan, replica)
+                outcomes[replica] = await request.run(walk, params, **inputs)
+            except Exception as exc:  # the other replicas' runs go on
+                outcomes[replica] = exc
+            finally:
+                await self.executor.release(request.request_id)
+
+        async with anyio.create_task_group() as runs:
+            for replica in range(count):
+                runs.start_soon(run_on, replica)
+        results = [outcomes[replica] for replica in range(count)]
+        for outcome in results:
+            if isinstance(outcome, Exception):
+                raise outcome
+        return cast("list[WalkResult]", results)
+
+    def _replica(self, replica: int) -> RequestContext:
+        """The request that runs a walk on replica ``replica`` for this one."""
+        request = RequestContext(
+            f"{self.request_id}@{replica}",
+            self.model,
+            self.executor,
+            self._task_group,
+            walks=self.walks,
+            metrics=self.metrics,
+        )
+        request.persisted = dict(self.persisted)
+        return request
 
 
 def _check_streams(plan: WalkPlan, bound: Mapping[PortRef, Any]) -> None:

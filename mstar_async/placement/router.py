@@ -3,7 +3,8 @@
 Pure bookkeeping, no I/O: the conductor asks it once per (request, engine) and tells it when a
 request ends. A request sticks to the replica it got for an engine, because the engine may
 hold state for it there (a KV cache lives on one replica); a new request goes to the least
-loaded replica, ties to the lowest rank, so routing is reproducible.
+loaded replica, ties to the lowest rank, so routing is reproducible. A request meant for one
+replica in particular is ``pin``ned to it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,25 @@ class ReplicaRouter:
         held[engine] = pick
         self._recount(before, set(held.values()))
         return Route(pick, current)
+
+    def pin(self, request_id: str, engine: str, rank: int) -> None:
+        """Route ``request_id``'s steps of ``engine`` to ``rank`` from now on, whatever the
+        loads (it counts on ``rank``'s load until ``finish``): for a request meant for one
+        replica in particular, such as each run of a walk sent to every replica. Pin a rank
+        among the engine's replicas in the walks the request runs, before it runs any.
+
+        Raises:
+            ValueError: the request already has another rank for ``engine``.
+        """
+        held = self._assigned.setdefault(request_id, {})
+        current = held.get(engine)
+        if current is not None and current != rank:
+            raise ValueError(
+                f"pin: request {request_id!r} already runs engine {engine!r} on rank {current}"
+            )
+        before = set(held.values())
+        held[engine] = rank
+        self._recount(before, set(held.values()))
 
     def finish(self, request_id: str) -> None:
         """Forget ``request_id``: its ranks each carry one request less. Idempotent."""

@@ -153,8 +153,9 @@ class VoiceRegistry:
 
     async def delete(self, voice_id: str, runtime: Any = None) -> VoiceRecord:
         """Remove a voice and its file, then, given the ``runtime`` serving the model (one whose
-        ``info["keeps_voice_kv"]``), the KV its talker keeps for the voice (a request of its
-        program with ``forget_voice``). Runs the file work in a thread; completes even if
+        ``info["keeps_voice_kv"]``), the KV its talker keeps for the voice, on every replica
+        (a request of its program with ``forget_voice``, which runs the drop on each with
+        ``RequestContext.run_on_replicas``). Runs the file work in a thread; completes even if
         cancelled once started.
 
         Raises:

@@ -172,6 +172,8 @@ def _loop_stats(batching: WalkLoop) -> dict[str, int]:
         "steps": stats.steps,
         "walks": batching.walks_running,
         "kv_blocks": batching.kv_blocks_in_use,
+        "kv_handles": batching.kv_handles,
+        "kv_kept_blocks": batching.kv_kept_blocks,
         "stalled_ms": int(batching.stalled_s * 1000),
     }
 

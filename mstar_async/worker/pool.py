@@ -600,8 +600,9 @@ class WorkerPool:
         return value
 
     async def worker_stats(self, rank: int) -> dict[str, int]:
-        """``rank``'s worker counters (``tensors_held``, ``tensor_bytes_held``, ...), asked
-        over the wire, so all it did before is counted. Cancel-safe.
+        """``rank``'s worker counters (``kv_blocks``, ``kv_handles``, ``kv_kept_blocks``,
+        ``tensors_held``, ``tensor_bytes_held``, ...), asked over the wire, so all it did
+        before is counted. Cancel-safe.
 
         Raises:
             WorkerLost: the worker died (or is restarting).

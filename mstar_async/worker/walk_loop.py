@@ -27,6 +27,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from mstar_async.engines import Engine, Step
+from mstar_async.engines.kv.handles import KeptKV
 from mstar_async.errors import EngineError, MstarError, RequestCancelled
 from mstar_async.graph import PortRef, WalkPlan
 from mstar_async.graph.segments import Segment
@@ -188,6 +189,17 @@ class WalkLoop:
     def kv_blocks_in_use(self) -> int:
         """KV blocks the engines here hold now (engines without a paged cache count 0)."""
         return sum(int(getattr(e, "blocks_in_use", 0)) for e in self.engines.values())
+
+    @property
+    def kv_handles(self) -> int:
+        """KV handles the engines here keep beyond their requests (kept conversations, a
+        registered voice's prompt rows)."""
+        return sum(len(e.handles) for e in self.engines.values() if isinstance(e, KeptKV))
+
+    @property
+    def kv_kept_blocks(self) -> int:
+        """KV blocks those handles hold (part of ``kv_blocks_in_use``)."""
+        return sum(e.kept_blocks for e in self.engines.values() if isinstance(e, KeptKV))
 
     @property
     def stats(self) -> BatchStats:

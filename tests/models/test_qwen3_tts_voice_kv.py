@@ -3,10 +3,14 @@ request of a voice shares (upstream's in-context prompt adds the reference codes
 row by row, so they end where the request's text begins); a second request of the voice
 computes only the rows after them and speaks exactly the frames it speaks without reuse; under
 KV pressure the kept rows are evicted and computed again transparently; ``forget_voice`` drops
-them, and a voice cloned for one request keeps nothing."""
+them, and a voice cloned for one request keeps nothing. With the talker replicated over two
+worker processes, each replica keeps its own copy and a delete drops both."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,7 +25,9 @@ from mstar_async.models.qwen3_tts.program import chat_ids, layout_for, voice_han
 from mstar_async.models.qwen3_tts.prompt import TalkerPrompt, row_keys
 from mstar_async.models.qwen3_tts.voice import VoicePrompt
 from mstar_async.outputs import LatentOutput
+from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
+from mstar_async.worker.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -173,3 +179,67 @@ async def test_kv_pressure_evicts_the_kept_rows_and_they_are_computed_again() ->
         assert set(talker.engine.handles) == {handle}
         _, resumed_rows = await talker.speak(runtime, voice=voice)
         assert resumed_rows < rows
+
+
+#: The talker's nodes on two worker ranks (replicas); the rest of the model on rank 0.
+TALKER_REPLICAS = Placement(
+    nodes={node: [0, 1] for node in ("talker_prefill", "talker", "talker_forget")}
+)
+
+
+async def _stats_when(
+    pool: WorkerPool, settled: Callable[[list[dict[str, int]]], bool], seconds: float = 20
+) -> list[dict[str, int]]:
+    """Both ranks' worker stats once ``settled`` holds of them, or the last ones at the
+    deadline (the caller's asserts then say what differs)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = [await pool.worker_stats(rank) for rank in (0, 1)]
+        if settled(stats) or time.monotonic() > deadline:
+            return stats
+        await anyio.sleep(0.01)
+
+
+def _idle(stats: list[dict[str, int]]) -> bool:
+    """Every request released: what the ranks hold is what their handles keep."""
+    return all(s["kv_blocks"] == s["kv_kept_blocks"] for s in stats)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_delete_drops_the_voice_kv_on_every_talker_replica(
+    tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    model = build_model("qwen3-tts", size="tiny", chunk=4)
+    async with open_runtime(model, placement=TALKER_REPLICAS, voices=tmp_path) as runtime:
+        assert runtime.pool is not None
+        t = torch.arange(12_000) / 24_000
+        with anyio.fail_after(60):
+            record = await runtime.register_voice(
+                0.3 * torch.sin(2 * torch.pi * 180 * t), name="replicated"
+            )  # no transcript: the speaker embedding alone, the faster encoder
+            voice = await runtime.voice(record.id)
+
+            async def speak() -> None:
+                async with runtime.generate(text=TEXT, voice=voice, **GREEDY) as out:
+                    assert [i async for i in out]
+
+            # Two at once: the router gives each its own talker replica, and both keep the
+            # voice's rows when released.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(speak)
+                tg.start_soon(speak)
+        shared = _layout(tokenizer, VoicePrompt(voice.speaker, None, None, record.id), TEXT)
+        blocks = -(-shared.voice_rows // 16)
+        before = await _stats_when(
+            runtime.pool, lambda s: _idle(s) and all(r["kv_handles"] == 1 for r in s)
+        )
+        assert [(r["kv_handles"], r["kv_kept_blocks"]) for r in before] == [(1, blocks)] * 2
+        with anyio.fail_after(30):
+            await runtime.delete_voice(record.id)
+        after = await _stats_when(
+            runtime.pool, lambda s: all(r["kv_handles"] == r["kv_blocks"] == 0 for r in s)
+        )
+        assert [(r["kv_handles"], r["kv_kept_blocks"], r["kv_blocks"]) for r in after] == [
+            (0, 0, 0)
+        ] * 2

@@ -1,4 +1,5 @@
-"""ReplicaRouter: least loaded, lowest rank on a tie, sticky per request and engine."""
+"""ReplicaRouter: least loaded, lowest rank on a tie, sticky per request and engine, pinned
+where asked."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def test_given_loads_replace_the_routers_own() -> None:
     assert router.route("b", "codec", [1, 2], loads={2: 1}) == Route(1)
 
 
+def test_a_pinned_request_goes_to_its_rank_whatever_the_loads() -> None:
+    router = ReplicaRouter()
+    router.route("a", "talker", [0, 1])
+    router.pin("b", "talker", 0)  # rank 0 is the busier one
+    assert router.route("b", "talker", [0, 1]) == Route(0)
+    assert router.loads == {0: 2}
+    router.pin("b", "talker", 0)  # the same pin again changes nothing
+    with pytest.raises(ValueError, match="already runs engine 'talker' on rank 0"):
+        router.pin("b", "talker", 1)
+    router.finish("b")
+    assert router.loads == {0: 1}
+
+
 def test_no_ranks_is_an_argument_error() -> None:
     with pytest.raises(ValueError, match="no ranks"):
         ReplicaRouter().route("a", "codec", [])
@@ -64,6 +78,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("route"), st.integers(0, 5), st.sampled_from(["lm", "codec"])),
         st.tuples(st.just("finish"), st.integers(0, 5), st.just("")),
+        st.tuples(st.just("pin"), st.integers(0, 5), st.sampled_from(["lm", "codec"])),
     ),
     max_size=30,
 )
@@ -84,6 +99,11 @@ def test_loads_always_match_the_assignments(
             continue
         before = router.loads
         had = router.rank_of(rid, engine)
+        if op == "pin":
+            rank = max(ranks) if had is None else had
+            router.pin(rid, engine, rank)
+            live.setdefault(rid, {})[engine] = rank
+            continue
         rank = router.route(rid, engine, sorted(ranks)).rank
         if had is None:
             best = min((before.get(r, 0), r) for r in ranks)

@@ -14,10 +14,10 @@ Walks: ``encode_voice`` (the two encoders, once per cloned voice), ``prefill`` (
 prompt: named speaker, instruction, or a cloned voice's embedding and reference codes; a
 registered voice's leading rows are computed once per talker rank and kept, evictable, under a
 handle of the voice), ``speak`` (frames and decoding, pipelined) and ``forget_voice`` (drop a
-deleted voice's handle). The decoder's windows are upstream's ``chunked_decode`` windows (25
-frames of left context) at a streaming chunk size; for a voice cloned in context the first
-windows reach back into the reference codes, which upstream decodes in front of the generated
-ones.
+deleted voice's handle; run on every talker replica). The decoder's windows are upstream's
+``chunked_decode`` windows (25 frames of left context) at a streaming chunk size; for a voice
+cloned in context the first windows reach back into the reference codes, which upstream
+decodes in front of the generated ones.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ A registered voice (one with an ``id``) keeps the KV of the prompt rows every re
 shares (``TalkerPrompt.voice_rows``) under ``voice_handle(id)`` on the talker's rank: the
 first request there computes them, later ones fork them and compute only the rest; evictable,
 so under memory pressure they go (least recently used first) and the next request computes
-them again. ``forget_voice=<id>`` drops them (the voice registry's delete).
+them again. ``forget_voice=<id>`` drops them on every talker replica (the voice registry's
+delete).
 
 Sampling is upstream's: ``temperature`` / ``top_k`` / ``top_p`` and ``repetition_penalty``
 (over the codebook-0 codes of the frames spoken so far) for the talker, ``subtalker_*`` for
@@ -149,7 +150,8 @@ def make_program(
         return_codes: bool = False,
     ) -> AsyncGenerator[Any, None]:
         if forget_voice:
-            await request.run("forget_voice", handle=voice_handle(forget_voice))
+            # Every talker replica that spoke the voice keeps its own copy.
+            await request.run_on_replicas("forget_voice", handle=voice_handle(forget_voice))
             return
         # Checked first: a bad value fails before any audio is encoded.
         talker_sampling = SamplingParams(
