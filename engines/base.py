@@ -16,12 +16,17 @@ class Step:
     computes at most that many of a step's tokens where the work can be split (returning
     ``None`` until the step is done); a step that cannot be split (a stateless op, a query
     step) runs whole.
+
+    ``ahead`` is set on a step the worker launched before its walk asked for it (a loop's next
+    step, see the ``Engine`` docstring): an engine with ``discard`` keeps what it needs to
+    undo it.
     """
 
     request_id: str
     op: str
     inputs: Mapping[str, Any]
     budget: int = 0
+    ahead: bool = False
 
 
 class Wait:
@@ -50,10 +55,12 @@ class Engine(Protocol):
     the event loop's thread, one call at a time per worker, so an engine needs no locks of its
     own. ``cost`` runs on the scheduler's thread between forwards.
 
-    An engine whose steps leave nothing behind in it (a step's outputs are all it does) may
-    say so with a class attribute ``stateless_steps = True``: the worker then launches a loop's
-    next step before the walk has read this one's outputs and decided to go on, and drops it
-    if the walk stops, which costs nothing but the step.
+    A loop's next step may run before the walk has read this one's outputs and decided to go
+    on, where the engine allows it: with a class attribute ``stateless_steps = True`` (its
+    steps leave nothing behind in it: a step's outputs are all it does), or with a method
+    ``discard(step)`` that undoes a step marked ``ahead`` (a KV append, a sampler's draw). When
+    the walk stops instead, the worker drops the step's outputs and, after it ran, calls
+    ``discard`` between forwards, before the engine's next forward or the request's release.
     """
 
     def cost(self, step: Step) -> int:

@@ -326,6 +326,10 @@ class KVCacheEngine(KeptKV):
                 if step.op == "prefill" and step.inputs.get("resume"):
                     self._resume(step, key)
                 seq = self._sequence_for(step)
+                if step.ahead:
+                    generator = seq.generator
+                    state = None if generator is None else generator.get_state()
+                    seq.ahead = (self.allocator.num_tokens(key), len(seq.keys), state)
                 before = (
                     None
                     if seq.prefill is step
@@ -343,6 +347,24 @@ class KVCacheEngine(KeptKV):
                     work[i] = _Work(query)
                     seen.add(query.seq)
         return work
+
+    def discard(self, step: Step) -> None:
+        """Undo a decode step launched ahead of its walk that the walk did not take (its loop
+        stopped): its token's KV, its key and its sampler's draw, so the sequence is as if it
+        never ran. Any other step, or a sequence released since, changes nothing. Never
+        raises."""
+        key = _key(step)
+        seq = self._sequences.get(key)
+        if step.op != "decode" or seq is None or seq.ahead is None:
+            return
+        tokens, keys, state = seq.ahead
+        seq.ahead = None
+        if self.allocator.has(key) and self.allocator.num_tokens(key) > tokens:
+            self.allocator.truncate(key, tokens)
+        del seq.keys[keys:]
+        seq.pending.clear()
+        if state is not None and seq.generator is not None:
+            seq.generator.set_state(state)
 
     def _resume(self, step: Step, key: Hashable) -> None:
         """Start an empty sequence as the longest prefix of handle ``resume`` that its prompt

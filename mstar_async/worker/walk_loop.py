@@ -179,6 +179,7 @@ class WalkLoop:
         self._estimates: dict[tuple[str, ...], float] = {}
         self._thread: ForwardThread | None = forward_thread  # the engines' own, when given
         self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
+        self._declined: list[tuple[str, Step]] = []  # steps run ahead to undo (``_decline``)
 
     @property
     def walks_running(self) -> int:
@@ -312,6 +313,7 @@ class WalkLoop:
                 await self._round_done.wait()
             for job in self.scheduler.cancel(request_id):
                 self._resume(job, None)
+            self._discard_declined()  # before a sequence is kept past its request
             self.scheduler.release(request_id)
         self.kick()
 
@@ -386,6 +388,7 @@ class WalkLoop:
             finally:
                 took = time.perf_counter() - start
 
+        self._discard_declined()  # no forward runs now, and the next one must see it undone
         if threaded:
             assert self._thread is not None
             running = self._thread.start(forward)
@@ -403,9 +406,25 @@ class WalkLoop:
         # A cancelled walk's steps leave the queue now, not when its request is released: a
         # long prefill would otherwise go on chunk after chunk until the release arrived.
         for task in tasks:
-            task.ahead = None
+            if task.ahead is not None:
+                self._decline(task.ahead)
+                task.ahead = None
         if self.scheduler.withdraw_owned(set(tasks)):
             self.kick()
+
+    def _decline(self, job: _WalkJob) -> None:
+        """The walk will not take ``job``, launched ahead for it: out of the queue if it has
+        not run, else undone (``discard``) before the engine's next forward."""
+        if not self.scheduler.withdraw(job):
+            self._declined.append((job.engine, job.step))
+
+    def _discard_declined(self) -> None:
+        # Between forwards (as ``release``): an engine is never touched beside its forward.
+        declined, self._declined = self._declined, []
+        for name, step in declined:
+            discard = getattr(self.engines.get(name), "discard", None)
+            if discard is not None:
+                discard(step)
 
     def _submit_step(self, task: Task, request: StepRequest) -> None:
         ahead: _WalkJob | None = task.ahead
@@ -416,7 +435,7 @@ class WalkLoop:
                 if ahead.outcome is not None:  # else it is queued or running: resumed then
                     self._resume(ahead, ahead.outcome)
                 return
-            self.scheduler.withdraw(ahead)  # the walk went another way (its loop ended)
+            self._decline(ahead)  # the walk went another way (its loop ended)
         step = Step(request.request_id, request.op, request.inputs)
         try:
             self.scheduler.submit(_WalkJob(request.engine, step, task, request.chain))
@@ -425,18 +444,19 @@ class WalkLoop:
 
     def _run_ahead(self, job: _WalkJob, task: Task, outputs: dict[str, Any]) -> bool:
         """Queue the step the walk will ask for next if its loop goes on (``StepRequest.chain``)
-        where the engine keeps nothing of a step whose outputs are then dropped; True if it
+        where the engine keeps nothing of a step or can undo one (see ``Engine``); True if it
         did. The walk resumes after the next forward has started (``wake_later``), so its
         outputs and ``until`` are worked out while the engine runs that step."""
         chain = job.chain
-        if chain is None or not getattr(self.engines.get(job.engine), "stateless_steps", False):
+        if chain is None or not _runs_ahead(self.engines.get(job.engine)):
             return False
         inputs = dict(job.step.inputs)
         for output, port in chain:
             if output not in outputs:
                 return False  # the walk fails on it as it resumes
             inputs[port] = outputs[output]
-        ahead = _WalkJob(job.engine, Step(job.step.request_id, job.step.op, inputs), task, chain)
+        step = Step(job.step.request_id, job.step.op, inputs, ahead=True)
+        ahead = _WalkJob(job.engine, step, task, chain)
         try:
             self.scheduler.submit(ahead)
         except MstarError:
@@ -469,6 +489,11 @@ class WalkLoop:
                 owner.set_exception(outcome)
             else:
                 owner.set_result(outcome)
+
+
+def _runs_ahead(engine: Engine | None) -> bool:
+    # See the ``Engine`` docstring: nothing to undo, or a way to undo it.
+    return bool(getattr(engine, "stateless_steps", False)) or hasattr(engine, "discard")
 
 
 @dataclass(slots=True, eq=False)

@@ -1,8 +1,8 @@
 """A loop's next step launched before its walk asks for it: where the engine keeps nothing of a
-step, the worker starts the next forward first and lets the walk read its outputs and run
-``until`` while that forward runs. The walk's outputs are the same; a step run ahead of a loop
-that then stops is dropped; an engine that keeps state never sees a step its walk did not ask
-for; a cancelled walk leaves nothing queued."""
+step, or can undo one, the worker starts the next forward first and lets the walk read its
+outputs and run ``until`` while that forward runs. The walk's outputs are the same; a step run
+ahead of a loop that then stops is dropped (and undone by a KV engine); an engine that can do
+neither never sees a step its walk did not ask for; a cancelled walk leaves nothing queued."""
 
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from mstar_async.engines import Step, StepResult
-from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, PortRef, Walk
+from mstar_async.engines.kv_engine import KVCacheEngine
+from mstar_async.engines.sampling import SamplingParams
+from mstar_async.graph import DynamicLoop, Edge, LoopStep, Model, Node, PortRef, Walk
+from mstar_async.models.bagel import bagel_config
+from mstar_async.models.bagel.mot import BagelLM
+from mstar_async.runtime import open_runtime
 from mstar_async.worker.walk_loop import WalkLoop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -165,3 +171,92 @@ async def test_a_cancelled_walk_leaves_no_step_behind() -> None:
     assert not loop.trampoline.later and not loop.trampoline.ready
     # At most the step in flight when the cancel came ran after the last output read.
     assert len(engine.seen) <= len(sink.values) + 2
+
+
+def tiny_kv_engine() -> KVCacheEngine:
+    torch.manual_seed(0)
+    lm = BagelLM(bagel_config("tiny"))
+    return KVCacheEngine(
+        lm, lm.language_model.attention_spec(), num_layers=2, num_blocks=64, block_size=4
+    )
+
+
+class Undiscardable:
+    """The same KV engine without ``discard``: its decode steps never run ahead."""
+
+    def __init__(self) -> None:
+        self.inner = tiny_kv_engine()
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.inner.blocks_in_use
+
+    def cost(self, step: Step) -> int:
+        return self.inner.cost(step)
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        assert not any(step.ahead for step in steps)
+        return self.inner.forward(steps)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    def export_state(self, request_id: str) -> Any:
+        return self.inner.export_state(request_id)
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        self.inner.import_state(request_id, state)
+
+
+TURNS = ([5, 9, 2, 7], [11, 3])  # the second turn's prompt extends the first turn's sequence
+
+
+async def _two_turns(request: Any, temperature: float = 1.0) -> AsyncGenerator[Any, None]:
+    sampling = SamplingParams(temperature=temperature, seed=7, max_tokens=100)
+    for turn, tokens in enumerate(TURNS):
+        first = await request.run("prefill", tokens=tokens, sampling=sampling)
+        yield (turn, int(first["token"]))
+        async with request.stream("decode", params={"n": 4 + turn}) as events:
+            async for event in events:
+                yield (turn, int(event.value))
+
+
+def two_turn_lm(engine: Callable[[], Any]) -> Model:
+    decode = DynamicLoop(
+        "decode",
+        until=lambda s: s.iteration + 1 >= s.params["n"],
+        max_iterations=64,
+        carry={"decode.token": "decode.token"},
+    )
+    return Model(
+        "two-turns",
+        nodes=[
+            Node("prefill", engine="lm", inputs=["tokens", "sampling"], outputs=["token"]),
+            Node("decode", engine="lm", inputs=["token"], outputs=["token"]),
+        ],
+        edges=[Edge("prefill.token", "decode.token")],
+        walks=[
+            Walk("prefill", "prefill", outputs=["prefill.token"]),
+            Walk("decode", decode, outputs=["decode.token"]),
+        ],
+        program=_two_turns,
+        components={"lm": engine},
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+async def test_a_kv_decode_run_ahead_and_dropped_is_undone(temperature: float) -> None:
+    # Each turn's loop stops with a decode step launched ahead; the engine undoes it (its
+    # token's KV and its sampler's draw), so the next turn continues the very same sequence.
+    answers = []
+    for factory in (Undiscardable, tiny_kv_engine):
+        async with open_runtime(two_turn_lm(factory)) as runtime:
+            runtime.batching.inline_below_s = 0.0  # every forward on the thread: overlap
+            with anyio.fail_after(30):
+                async with runtime.generate(temperature=temperature) as outputs:
+                    answers.append([item async for item in outputs])
+            assert runtime.batching.kv_blocks_in_use == 0
+            if isinstance(runtime.batching.engines["lm"], KVCacheEngine):
+                assert runtime.batching.stats.steps > len(answers[-1])  # some ran ahead
+    assert [turn for turn, _ in answers[0]] == [0] * 5 + [1] * 6
+    assert answers[1] == answers[0]
