@@ -407,7 +407,19 @@ class _CountingEngine:
 
     def __getattr__(self, name: str) -> Any:
         # Anything else an engine may offer (e.g. export_state) is the wrapped engine's.
+        if name == "discard":
+            return self._discard_counted(self.inner.discard)
         return getattr(self.inner, name)
+
+    def _discard_counted(self, discard: Callable[[Step], None]) -> Callable[[Step], None]:
+        # A decode step run ahead of a loop that then stopped is undone: its token was never
+        # generated.
+        def counted(step: Step) -> None:
+            discard(step)
+            if self.tokens[step.request_id] > 0:
+                self.tokens[step.request_id] -= 1
+
+        return counted
 
 
 @dataclass
