@@ -408,7 +408,7 @@ class _CountingEngine:
     def __getattr__(self, name: str) -> Any:
         # Anything else an engine may offer (e.g. export_state) is the wrapped engine's.
         if name == "discard":
-            return self._discard_counted(getattr(self.inner, "discard"))  # noqa: B009
+            return self._discard_counted(getattr(self.inner, name))
         return getattr(self.inner, name)
 
     def _discard_counted(self, discard: Callable[[Step], None]) -> Callable[[Step], None]:
