@@ -59,8 +59,10 @@ class Engine(Protocol):
     on, where the engine allows it: with a class attribute ``stateless_steps = True`` (its
     steps leave nothing behind in it: a step's outputs are all it does), or with a method
     ``discard(step)`` that undoes a step marked ``ahead`` (a KV append, a sampler's draw). When
-    the walk stops instead, the worker drops the step's outputs and, after it ran, calls
-    ``discard`` between forwards, before the engine's next forward or the request's release.
+    the walk stops instead, the worker drops the step's outputs and calls ``discard`` (also for
+    a step that never ran) between forwards, before the engine's next forward or the request's
+    release. Such an engine must fail a bad step alone (return its error): a step run past the
+    loop's end (an action plan's last step) may be invalid, and must not fail the others.
     """
 
     def cost(self, step: Step) -> int:

@@ -187,6 +187,9 @@ class BlockCausalKVEngine:
             remedy="build the model with a larger kv_frames or ask for a shorter horizon",
         )
         self._pending: dict[str, _Pending] = {}
+        # Per request, its latest step launched ahead of its walk and the tokens it held
+        # before that step (``discard``).
+        self._ahead: dict[str, tuple[Step, int]] = {}
 
     @property
     def frames_in_use(self) -> int:
@@ -207,29 +210,39 @@ class BlockCausalKVEngine:
         return max(1, self.model.new_frames(step) * self.tokens_per_frame)
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        """Compute the new frames of every step that fits, in one model forward.
+        """Compute the new frames of every step that fits, in one model forward. A step the
+        model rejects (unknown op, bad inputs) fails alone with its ``EngineError``.
 
         Raises:
-            EngineError: the model rejects a step (unknown op, bad inputs), or one request
-                appears twice in ``steps``.
+            EngineError: one request appears twice in ``steps``.
         """
         if len({s.request_id for s in steps}) != len(steps):
             raise EngineError("a forward got two steps of one request; submit them in turn")
+        results: list[StepResult] = [None] * len(steps)
+        chunks = [0] * len(steps)
+        valid: list[int] = []
         with torch.inference_mode():
-            chunks = [self._admit(step) for step in steps]
+            for i, step in enumerate(steps):
+                try:
+                    chunks[i] = self._admit(step)
+                except EngineError as exc:  # a bad step fails alone (a step run ahead too)
+                    results[i] = exc
+                else:
+                    valid.append(i)
         verdict = self.admission.admit(
             [
-                Demand(s.request_id, s.request_id, n, self._left(s), s.op)
-                for s, n in zip(steps, chunks, strict=True)
+                Demand(rid, rid, chunks[i], self._left(steps[i]), steps[i].op)
+                for i, rid in ((i, steps[i].request_id) for i in valid)
             ]
         )
-        results = verdict.results
-        for i in verdict.failed:
+        for k, i in enumerate(valid):
+            results[i] = verdict.results[k]
+        for k in verdict.failed:
             # Its frames will never be computed; the request's held frames go at release.
-            self._pending.pop(steps[i].request_id, None)
+            self._pending.pop(steps[valid[k]].request_id, None)
         if verdict.admitted:
             with torch.inference_mode():
-                outputs = self._run(steps, chunks, verdict.admitted)
+                outputs = self._run(steps, chunks, [valid[k] for k in verdict.admitted])
             for i, out in outputs.items():
                 results[i] = out
         return results
@@ -262,8 +275,24 @@ class BlockCausalKVEngine:
             raise EngineError(f"request {request_id} is already held by this engine")
         write_sequence(self.allocator, self.cache, request_id, state["kv"])
 
+    def discard(self, step: Step) -> None:
+        """Undo a step launched ahead of its walk that the walk did not take (its rollout
+        stopped): the frames it added leave the request's cache. A step that never ran here,
+        or whose request was released since, changes nothing. Never raises."""
+        rid = step.request_id
+        ahead = self._ahead.get(rid)
+        if ahead is None or ahead[0] is not step:
+            return
+        del self._ahead[rid]
+        pending = self._pending.get(rid)
+        if pending is not None and pending.step is step:
+            del self._pending[rid]
+        if self.allocator.has(rid) and self.allocator.num_tokens(rid) > ahead[1]:
+            self.allocator.truncate(rid, ahead[1])
+
     def release(self, request_id: str) -> None:
         """Free the request's frames and anything pending; idempotent."""
+        self._ahead.pop(request_id, None)
         self._pending.pop(request_id, None)
         if self.allocator.has(request_id):
             self.allocator.free(request_id)
@@ -272,6 +301,13 @@ class BlockCausalKVEngine:
         """Tokens this step computes now: whole frames within its budget, at least one."""
         pending = self._pending.get(step.request_id)
         if pending is None or pending.step is not step:
+            if step.ahead:
+                held = (
+                    self.allocator.num_tokens(step.request_id)
+                    if self.allocator.has(step.request_id)
+                    else 0
+                )
+                self._ahead[step.request_id] = (step, held)
             tokens = self.model.embed(step, self.frames_held(step.request_id))
             if tokens.shape[0] == 0 or tokens.shape[0] % self.tokens_per_frame:
                 raise EngineError(

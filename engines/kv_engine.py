@@ -329,7 +329,7 @@ class KVCacheEngine(KeptKV):
                 if step.ahead:
                     generator = seq.generator
                     state = None if generator is None else generator.get_state()
-                    seq.ahead = (self.allocator.num_tokens(key), len(seq.keys), state)
+                    seq.ahead = (step, self.allocator.num_tokens(key), len(seq.keys), state)
                 before = (
                     None
                     if seq.prefill is step
@@ -351,13 +351,13 @@ class KVCacheEngine(KeptKV):
     def discard(self, step: Step) -> None:
         """Undo a decode step launched ahead of its walk that the walk did not take (its loop
         stopped): its token's KV, its key and its sampler's draw, so the sequence is as if it
-        never ran. Any other step, or a sequence released since, changes nothing. Never
-        raises."""
+        never ran. A step that never ran here, or whose sequence was released since, changes
+        nothing. Never raises."""
         key = _key(step)
         seq = self._sequences.get(key)
-        if step.op != "decode" or seq is None or seq.ahead is None:
-            return
-        tokens, keys, state = seq.ahead
+        if seq is None or seq.ahead is None or seq.ahead[0] is not step:
+            return  # it never ran here
+        _, tokens, keys, state = seq.ahead
         seq.ahead = None
         if self.allocator.has(key) and self.allocator.num_tokens(key) > tokens:
             self.allocator.truncate(key, tokens)

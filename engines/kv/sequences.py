@@ -46,9 +46,9 @@ class SeqState:
     # and the positions of the current prefill's rows (its ``embeds_out``, in order).
     row_out: dict[int, torch.Tensor] = field(default_factory=dict)
     prefill_rows: list[int] = field(default_factory=list)
-    # Before the latest decode step launched ahead of its walk: the sequence's tokens, the
-    # length of ``keys`` and the generator's state, to undo that step (``discard``).
-    ahead: tuple[int, int, torch.Tensor | None] | None = None
+    # The latest decode step launched ahead of its walk, and before it ran: the sequence's
+    # tokens, the length of ``keys`` and the generator's state, to undo it (``discard``).
+    ahead: tuple[Step, int, int, torch.Tensor | None] | None = None
 
 
 Before = tuple[list[int], Step | None, dict[int, torch.Tensor], dict[int, Hashable]]

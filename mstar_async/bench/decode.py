@@ -386,6 +386,7 @@ class _CountingEngine:
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
         self.tokens: Counter[str] = Counter()
+        self._ahead: dict[str, Step] = {}  # per request, its latest step run ahead with a token
         self.forwards = 0
         self.seconds = 0.0
 
@@ -400,9 +401,12 @@ class _CountingEngine:
         for step, result in zip(steps, results, strict=True):
             if isinstance(result, dict) and "token" in result:
                 self.tokens[step.request_id] += 1
+                if step.ahead:
+                    self._ahead[step.request_id] = step
         return results
 
     def release(self, request_id: str) -> None:
+        self._ahead.pop(request_id, None)
         self.inner.release(request_id)
 
     def __getattr__(self, name: str) -> Any:
@@ -416,7 +420,8 @@ class _CountingEngine:
         # generated.
         def counted(step: Step) -> None:
             discard(step)
-            if self.tokens[step.request_id] > 0:
+            if self._ahead.get(step.request_id) is step:
+                del self._ahead[step.request_id]
                 self.tokens[step.request_id] -= 1
 
         return counted

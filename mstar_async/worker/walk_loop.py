@@ -413,10 +413,11 @@ class WalkLoop:
             self.kick()
 
     def _decline(self, job: _WalkJob) -> None:
-        """The walk will not take ``job``, launched ahead for it: out of the queue if it has
-        not run, else undone (``discard``) before the engine's next forward."""
-        if not self.scheduler.withdraw(job):
-            self._declined.append((job.engine, job.step))
+        """The walk will not take ``job``, launched ahead for it: out of the queue, and what
+        it did undone (``discard``; a no-op for a step that never ran) before the engine's
+        next forward."""
+        self.scheduler.withdraw(job)
+        self._declined.append((job.engine, job.step))
 
     def _discard_declined(self) -> None:
         # Between forwards (as ``release``): an engine is never touched beside its forward.

@@ -4,6 +4,7 @@ block-causal forward over the whole context."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -145,17 +146,23 @@ def test_full_cache_waits_impossible_request_fails_and_release_frees() -> None:
     engine.release("huge")  # idempotent
 
 
-def test_bad_steps_are_rejected_with_the_reason() -> None:
+def _fails_alone(engine: Any, bad: Step, good: Step, reason: str) -> None:
+    """A bad step beside a good one: the bad one fails with ``reason``, the good one runs."""
+    failed, ran = engine.forward([bad, good])
+    assert isinstance(failed, EngineError) and re.search(reason, str(failed)), failed
+    assert isinstance(ran, dict), ran
+    engine.release(good.request_id)
+
+
+def test_bad_steps_fail_alone_with_the_reason() -> None:
     engine = predictor_engine(CFG)
     request = Request("r", horizon=2, frames=2, seed=5)
     prefill = request.next_step()
-    with pytest.raises(EngineError, match="no op 'decode'"):
-        engine.forward([Step("x", "decode", {})])
-    request.outputs.append({"latent": torch.zeros(16, 32), "state": torch.zeros(7), "index": 1})
-    with pytest.raises(EngineError, match="step before prefill"):
-        engine.forward([request.next_step()])
+    _fails_alone(engine, Step("x", "decode", {}), prefill, "no op 'decode'")
+    later = Request("r2", horizon=2, frames=2, seed=5)
+    later.outputs.append({"latent": torch.zeros(16, 32), "state": torch.zeros(7), "index": 1})
+    _fails_alone(engine, later.next_step(), prefill, "step before prefill")
     bad = Step("y", "prefill", {**prefill.inputs, "states": torch.zeros(1, 7)})
-    with pytest.raises(EngineError, match="2 context frames need 1 context_actions and 2 states"):
-        engine.forward([bad])
+    _fails_alone(engine, bad, prefill, "2 context frames need 1 context_actions and 2 states")
     with pytest.raises(EngineError, match="two steps of one request"):
         engine.forward([prefill, prefill])
