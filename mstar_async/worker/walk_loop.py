@@ -417,7 +417,8 @@ class WalkLoop:
         it did undone (``discard``; a no-op for a step that never ran) before the engine's
         next forward."""
         self.scheduler.withdraw(job)
-        self._declined.append((job.engine, job.step))
+        if hasattr(self.engines.get(job.engine), "discard"):
+            self._declined.append((job.engine, job.step))
 
     def _discard_declined(self) -> None:
         # Between forwards (as ``release``): an engine is never touched beside its forward.
