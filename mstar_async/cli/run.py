@@ -62,7 +62,9 @@ def add_run_parser(sub: Any) -> None:
             "--" + option.replace("_", "-"),
             dest=option,
             metavar=what[0],
-            help=f"{what[1]} ({', '.join(_takers(option))})",
+            # Not the list of models that take it: that would import every model's code
+            # for any command (a third of a second); a model that does not names them.
+            help=f"{what[1]} (for the models whose builder takes it)",
         )
     run.add_argument(
         "-o",
