@@ -33,9 +33,11 @@ Then the same N text turns go, at once, through the turn-based baseline: ``POST
 ``stream: true`` and the same messages and token bound; its TTFA counts to the first chunk
 carrying audio. Rounds alternate which goes first (a shared machine's load drifts).
 
-Per round: barge-in time (each session's ``speech_started`` arrival to its ``response.done``,
-and from the round's last ``speech_started`` to the model's KV blocks all free, polled every
-millisecond); VAD delay in audio time (``audio_start_ms + prefix_padding_ms`` against the
+With ``rounds`` above one, the N sessions run that many times in a row before the baseline,
+and every figure below pools their sessions (``barge_ins`` counts them; KV free is the median
+over rounds). Per session count: barge-in time (each session's ``speech_started`` arrival to
+its ``response.done``, and from a round's last ``speech_started`` to the model's KV blocks all
+free, polled every millisecond); VAD delay in audio time (``audio_start_ms + prefix_padding_ms`` against the
 speech's onset in the sent audio; ``audio_end_ms - silence_duration_ms`` against its real end)
 and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA realtime
 and baseline; spoken TTFA, against the text turn's; what the encoder had left at VAD stop:
@@ -101,7 +103,8 @@ class RealtimeBenchError(RuntimeError):
 class RealtimeConfig:
     """What to measure: the served qwen3-omni's ``size``, the session counts, the text turn's
     token bound (``reply_tokens``) and the reply barged into (``barge_tokens``, long enough to
-    be playing when the user speaks), torch ``threads`` and the voice.
+    be playing when the user speaks), torch ``threads``, the voice, and how many ``rounds`` of
+    N sessions run per session count (their figures pooled: 5 rounds of 4 are 20 barge-ins).
 
     Raises:
         ValueError: an unknown size, or a count below 1.
@@ -112,6 +115,7 @@ class RealtimeConfig:
     reply_tokens: int = 8
     barge_tokens: int = 512
     threads: int = 1
+    rounds: int = 1
     voice: str = "ethan"
     lead_s: float = 0.5
     tail_s: float = 1.0
@@ -119,7 +123,7 @@ class RealtimeConfig:
     def __post_init__(self) -> None:
         if self.size not in ("tiny", "small"):
             raise ValueError(f"size must be tiny or small, got {self.size!r}")
-        counts = (*self.sessions, self.reply_tokens, self.barge_tokens, self.threads)
+        counts = (*self.sessions, self.reply_tokens, self.barge_tokens, self.threads, self.rounds)
         if not self.sessions or min(counts) < 1:
             raise ValueError(f"sessions, token bounds and threads must be >= 1: {self}")
 
@@ -541,6 +545,39 @@ def _spread(values: Sequence[float], scale: float = 1.0, digits: int = 1) -> dic
     }
 
 
+async def _sessions_round(
+    url: str,
+    config: RealtimeConfig,
+    speech: Speech,
+    probes: Probes,
+    n: int,
+    sessions: list[SessionFigures],
+    kv_free_s: list[float],
+    unheard_ms: list[float],
+) -> None:
+    """N sessions at once, in step; their figures, the round's KV-free time and what the
+    encoder had left at VAD stop are appended to the lists."""
+    steps = RoundSteps(n)
+
+    async def one() -> None:
+        sessions.append(await run_session(url, config, speech, steps))
+
+    async def watch_kv() -> None:
+        kv_free_s.append(await _kv_free_after(probes.kv_blocks, steps))
+
+    async def watch_heard() -> None:
+        unheard = await _unheard_ms(probes.heard, steps)
+        if unheard is not None:
+            unheard_ms.append(unheard)
+
+    with anyio.fail_after(_WAIT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_kv)
+            tg.start_soon(watch_heard)
+            for _ in range(n):
+                tg.start_soon(one)
+
+
 async def _round(
     url: str,
     config: RealtimeConfig,
@@ -551,26 +588,12 @@ async def _round(
 ) -> dict[str, Any]:
     sessions: list[SessionFigures] = []
     chat: list[float] = []
-    steps = RoundSteps(n)
     kv_free_s: list[float] = []
-    unheard_ms: list[float | None] = []
+    unheard_ms: list[float] = []
 
     async def realtime_phase() -> None:
-        async def one() -> None:
-            sessions.append(await run_session(url, config, speech, steps))
-
-        async def watch_kv() -> None:
-            kv_free_s.append(await _kv_free_after(probes.kv_blocks, steps))
-
-        async def watch_heard() -> None:
-            unheard_ms.append(await _unheard_ms(probes.heard, steps))
-
-        with anyio.fail_after(_WAIT_S):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_kv)
-                tg.start_soon(watch_heard)
-                for _ in range(n):
-                    tg.start_soon(one)
+        for _ in range(config.rounds):
+            await _sessions_round(url, config, speech, probes, n, sessions, kv_free_s, unheard_ms)
 
     async def chat_phase() -> None:
         async def one() -> None:
@@ -589,7 +612,9 @@ async def _round(
     return {
         "sessions": n,
         "barge_in_to_response_done_ms": _spread([s.barge_in_done_s for s in sessions], 1000),
-        "barge_in_last_speech_started_to_kv_free_ms": round(1000 * kv_free_s[0], 1),
+        "rounds": config.rounds,
+        "barge_ins": len(sessions),
+        "barge_in_last_speech_started_to_kv_free_ms": round(1000 * percentile(kv_free_s, 50), 1),
         "barge_in_statuses": sorted({s.barge_in_status for s in sessions}),
         "vad_start_lag_audio_ms": _spread([s.vad_start_lag_ms for s in sessions]),
         "vad_start_lag_wall_ms": _spread([s.vad_start_wall_s for s in sessions], 1000),
@@ -600,7 +625,9 @@ async def _round(
         "spoken_ttfa_ms": _spread(spoken, 1000),
         "spoken_over_text_ttfa_p50": round(percentile(spoken, 50) / percentile(ttfa, 50), 3),
         "spoken_stop_to_committed_ms": _spread([s.spoken_commit_s for s in sessions], 1000),
-        "spoken_unheard_at_stop_ms_mean": unheard_ms[0],
+        "spoken_unheard_at_stop_ms_mean": (
+            round(sum(unheard_ms) / len(unheard_ms), 1) if unheard_ms else None
+        ),
         "reply_audio_s_p50": round(percentile([s.audio_s for s in sessions], 50), 3),
         "audio_s_per_wall_s_p50": round(percentile(delivered, 50), 2) if delivered else None,
         "underruns": sum(s.underruns for s in sessions),

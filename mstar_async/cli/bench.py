@@ -761,6 +761,11 @@ def _add_realtime_parser(kinds: Any) -> None:
         "--reply-tokens", type=_positive, help="the text turn's max_output_tokens (8; --quick: 4)"
     )
     realtime.add_argument("--threads", type=_positive, help="torch threads (1)")
+    realtime.add_argument(
+        "--rounds",
+        type=_positive,
+        help="rounds of N sessions per session count, their figures pooled (1)",
+    )
 
 
 def _realtime(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -772,6 +777,7 @@ def _realtime(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, A
         sessions=args.sessions,
         reply_tokens=args.reply_tokens,
         threads=args.threads,
+        rounds=args.rounds,
     )
     report = module.run_realtime_sync(config, ProgressLog())
     return report, module.format_report(report)

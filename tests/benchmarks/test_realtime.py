@@ -52,6 +52,9 @@ def test_presets_and_bad_options() -> None:
         RealtimeConfig(size="huge")
     with pytest.raises(ValueError, match=">= 1"):
         RealtimeConfig(sessions=(0,))
+    assert preset(False).rounds == 1 and configure(preset(False), rounds=5).rounds == 5
+    with pytest.raises(ValueError, match=">= 1"):
+        RealtimeConfig(rounds=0)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ def test_quick_report_figures_are_consistent(report: dict[str, Any]) -> None:
     assert report["workload"]["speech_onset_s"] == pytest.approx(0.5, abs=0.011)
     frame_ms = 32  # the VAD decides once per 32 ms frame at 16 kHz
     for r in report["results"]:
+        assert r["rounds"] == 1 and r["barge_ins"] == r["sessions"]
         # Every session's long reply was cut by its user's speech, and nothing else.
         assert r["barge_in_statuses"] == ["cancelled: turn_detected"]
         barge = r["barge_in_to_response_done_ms"]
