@@ -29,18 +29,24 @@ STOP_AT = 6  # the loop stops once its counter reaches this
 
 
 class Ticker:
-    """Adds one to ``n``; each forward sleeps 2 ms (a forward worth running off the loop)."""
+    """Adds one to ``n``; each forward sleeps ``forward_s`` (2 ms: a forward worth running off
+    the loop). ``seen`` lists the counters it was given, ``by_request`` per request."""
 
-    def __init__(self, stateless: bool) -> None:
+    def __init__(self, stateless: bool, forward_s: float = 0.002) -> None:
         self.stateless_steps = stateless
+        self.forward_s = forward_s
         self.seen: list[int] = []
+        self.by_request: dict[str, list[int]] = {}
 
     def cost(self, step: Step) -> int:
         return 1
 
     def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        time.sleep(0.002)
-        self.seen.extend(int(s.inputs["n"]) for s in steps)
+        if self.forward_s:
+            time.sleep(self.forward_s)
+        for s in steps:
+            self.seen.append(int(s.inputs["n"]))
+            self.by_request.setdefault(s.request_id, []).append(int(s.inputs["n"]))
         return [{"n": int(s.inputs["n"]) + 1} for s in steps]
 
     def release(self, request_id: str) -> None:

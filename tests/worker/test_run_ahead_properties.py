@@ -6,8 +6,6 @@ most one past the last output, and nothing is left queued, parked, or waiting to
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -15,39 +13,10 @@ import anyio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_async.engines import Step, StepResult
 from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, PortRef, Walk
 from mstar_async.walks.run import WalkRun
 from mstar_async.worker.walk_loop import WalkLoop
-
-
-class Counter:
-    """Adds one to ``n``; a forward takes ``forward_s``; keeps nothing of a step."""
-
-    stateless_steps = True
-
-    def __init__(self, forward_s: float) -> None:
-        self.forward_s = forward_s
-        self.seen: dict[str, list[int]] = {}
-
-    def cost(self, step: Step) -> int:
-        return 1
-
-    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
-        if self.forward_s:
-            time.sleep(self.forward_s)
-        for s in steps:
-            self.seen.setdefault(s.request_id, []).append(int(s.inputs["n"]))
-        return [{"n": int(s.inputs["n"]) + 1} for s in steps]
-
-    def release(self, request_id: str) -> None:
-        pass
-
-    def export_state(self, request_id: str) -> None:
-        return None
-
-    def import_state(self, request_id: str, state: Any) -> None:
-        pass
+from tests.worker.test_run_ahead import Ticker
 
 
 def _stop(step: LoopStep) -> bool:
@@ -67,7 +36,7 @@ def _plan(max_iterations: int) -> Any:
         nodes=[Node("tick", engine="e", inputs=["n"], outputs=["n"])],
         walks=[Walk("count", loop, outputs=["tick.n"])],
         program=_program,
-        components={"e": lambda: Counter(0.0)},
+        components={"e": lambda: Ticker(stateless=True)},
     )
     return model.plan("count")
 
@@ -137,7 +106,7 @@ def test_walks_with_steps_run_ahead_make_exactly_their_outputs(
 
 
 async def _check(walks: list[tuple[int, int, int, int | None]], threaded: bool) -> None:
-    engine = Counter(0.0005 if threaded else 0.0)
+    engine = Ticker(stateless=True, forward_s=0.0005 if threaded else 0.0)
     loop = WalkLoop({"e": engine}, inline_below_s=0.0 if threaded else 1.0)
     readers = [Reader(cancel) for _, _, _, cancel in walks]
     with anyio.fail_after(30):
@@ -166,7 +135,7 @@ async def _check(walks: list[tuple[int, int, int, int | None]], threaded: bool) 
             assert reader.values == full
         else:
             assert reader.values == full[: len(reader.values)]
-        seen = engine.seen.get(f"r{i}", [])
+        seen = engine.by_request.get(f"r{i}", [])
         assert seen == list(range(len(seen)))  # in order, each once
         assert len(seen) <= len(reader.values) + 2  # the step in flight and one run ahead
     assert loop.walks_running == 0
