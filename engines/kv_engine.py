@@ -124,11 +124,14 @@ class KVCacheEngine(KeptKV):
       model's hidden state there, for another component): the prefill then also outputs
       ``embeds_out`` (``[m, ...]``, one per ``embeds_at`` offset, those a resume reused
       included; None otherwise).
-      Optional ``resume`` (a handle name): on an empty sequence, start from the longest prefix
-      the handle's tokens share with ``tokens`` (rows compared by content), at most all but the
-      last token, and compute only the rest; an unknown handle computes everything. This rolls
-      a kept conversation back to where a new prompt departs from it (an edited or truncated
-      turn) as well as forward.
+      Optional ``resume`` (a handle name, or a sequence of them): on an empty sequence, start
+      from the longest prefix the handle's tokens share with ``tokens`` (rows compared by
+      content; of several handles, the one that shares the most), at most all but the last
+      token, and compute only the rest; an unknown handle computes everything. This rolls a
+      kept conversation back to where a new prompt departs from it (an edited or truncated
+      turn) as well as forward, and lets a turn start from a prefix computed ahead of it (a
+      spoken turn prefilled while the user speaks) or from the conversation, whichever holds
+      more of it.
     - ``decode``: ``token`` (the last sampled id) -> ``token``.
     - ``fork``: ``seq`` (a new branch name), optional ``parent`` (a branch name; the main
       sequence if absent) -> ``seq``. The branch shares every KV block of the parent (no
@@ -367,11 +370,10 @@ class KVCacheEngine(KeptKV):
             seq.generator.set_state(state)
 
     def _resume(self, step: Step, key: Hashable) -> None:
-        """Start an empty sequence as the longest prefix of handle ``resume`` that its prompt
-        shares (a fork, truncated: no memory taken but a copy-on-write block later); nothing
-        when the handle is unknown, the sequence holds tokens, or this step resumed it already
-        (a resubmit after waiting)."""
-        name = str(step.inputs["resume"])
+        """Start an empty sequence as the longest prefix that its prompt shares with a handle
+        ``resume`` names (a fork, truncated: no memory taken but a copy-on-write block later);
+        nothing when no handle shares any, the sequence holds tokens, or this step resumed it
+        already (a resubmit after waiting)."""
         seq = self._sequences.get(key)
         if seq is not None and (
             (seq.resumed is not None and seq.resumed[0] is step)
@@ -382,7 +384,8 @@ class KVCacheEngine(KeptKV):
             return
         tokens = _token_list(step.inputs.get("tokens", ()))
         keys = prompt_keys(tokens, step.inputs.get("embeds"), step.inputs.get("embeds_at"))
-        shared = min(self._handles.shared(name, keys), len(tokens) - 1)
+        name, shared = self._handles.longest(step.inputs["resume"], keys)
+        shared = min(shared, len(tokens) - 1)
         if shared <= 0:
             return
         if self.allocator.has(key):

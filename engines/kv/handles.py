@@ -7,8 +7,9 @@ it), with one key per kept token saying what that token *is* (``prefill_rows.pro
 What a new prompt may take from a handle is the longest prefix its keys share with the
 handle's (``shared``): a turn that continues the conversation takes all of it, and one that
 departs earlier (an edited or truncated item) takes what comes before the departure.
-A resumed prefill forks the handle's shared tokens; ``rewind`` cuts the handle itself back to
-them, freeing its blocks past the departure at once.
+A resumed prefill forks the handle's shared tokens (of several handles named, the one sharing
+the most: ``longest``); ``rewind`` cuts the handle itself back to them, freeing its blocks past
+the departure at once.
 
 Bookkeeping over :class:`PagedKVAllocator` (no tensor is read or written); not thread-safe:
 call it between an engine's forwards.
@@ -170,6 +171,17 @@ class HandleStore:
         handle = self._handles.get(name)
         return 0 if handle is None else common_prefix(handle.keys, keys)
 
+    def longest(self, names: object, keys: Sequence[Hashable]) -> tuple[str, int]:
+        """Of the handles ``names`` (a ``resume`` input: one name or a sequence of them), the
+        one holding the longest prefix of a prompt with ``keys`` (the first named on a tie),
+        and that length by ``shared``; ``("", 0)`` when none holds any of it."""
+        best = ("", 0)
+        for name in _resume_names(names):
+            shared = self.shared(name, keys)
+            if shared > best[1]:
+                best = (name, shared)
+        return best
+
     def fork(self, name: str, target: Hashable, tokens: int | None = None) -> Handle:
         """Start the sequence ``target`` as handle ``name``'s first ``tokens`` (all if None;
         ``shared`` says how many a prompt may take): a fork, truncated, so no memory is taken
@@ -202,6 +214,18 @@ class HandleStore:
         del handle.keys[kept:]
         handle.row_out = {p: row for p, row in handle.row_out.items() if p < kept}
         return kept
+
+
+def _resume_names(value: object) -> list[str]:
+    """The handle names a ``resume`` input gives: none (None or empty), one (a string) or
+    several (a sequence of strings, in order of preference on a tie). Never raises."""
+    if not value:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Sequence):
+        return [str(name) for name in value if name]
+    return [str(value)]
 
 
 class KeptKV:

@@ -6,7 +6,9 @@ model, fed the buffer's 16 kHz samples from its first sample after a commit or c
 VAD the samples are fed as the VAD has judged them (``UnheardSamples`` holds the rest), so that
 when it reports the end of a turn the hearing holds exactly the turn's samples; without VAD they
 are fed as appended. A commit finishes the hearing (its last partial second and window are
-encoded then) and hands its rows to the user message; a clear cancels it.
+encoded then) and hands its rows to the user message; a clear cancels it. The rows of the
+turn's complete windows are final as soon as they come (``rows``; ``on_rows`` is told), which
+lets the session prefill the turn's response that far while the user still speaks (``warm.py``).
 
 If the encoder request fails or cannot start (the model at its in-flight bound), the hearing
 reports no rows and the response encodes the turn's audio itself.
@@ -62,11 +64,19 @@ class Hearing:
 
     ``feed`` may wait (the encoder's backlog is full: backpressure reaches the client's
     appends); ``finish`` waits for the encoder's last work. Both are cancel-safe: cancelling
-    the caller leaves the hearing to ``cancel``.
+    the caller leaves the hearing to ``cancel``. ``on_rows`` (never raising) is called each
+    time the encoder finishes rows of the utterance.
     """
 
-    def __init__(self, hear: Hear, tg: TaskGroup, request_id: str) -> None:
+    def __init__(
+        self,
+        hear: Hear,
+        tg: TaskGroup,
+        request_id: str,
+        on_rows: Callable[[], None] | None = None,
+    ) -> None:
         self.request_id = request_id
+        self._on_rows = on_rows
         self.fed = 0  # samples given to the encoder
         self.frames = 0  # mel frames it has convolved, as last reported
         self.failed: BaseException | None = None
@@ -88,6 +98,8 @@ class Hearing:
                     async for heard in outputs:
                         if heard.rows.numel():
                             self._rows.append(heard.rows)
+                            if self._on_rows is not None:
+                                self._on_rows()
                         self.frames = max(self.frames, int(heard.frames))
         except MstarError as exc:  # the encoder failed: the response will encode the audio
             self.failed = exc
@@ -95,6 +107,14 @@ class Hearing:
         finally:
             self._done.set()
             receive.close()
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The rows the encoder has finished so far (those of the utterance's complete
+        windows: final, whatever is said next), or None before the first."""
+        if len(self._rows) > 1:
+            self._rows = [torch.cat(self._rows)]
+        return self._rows[0] if self._rows else None
 
     async def feed(self, samples: np.ndarray) -> None:
         """Give the encoder more of the utterance (a failed hearing drops them)."""

@@ -11,7 +11,10 @@ For a model that hears (``hear`` given), the buffer's samples also stream into t
 encoder as the user talks (``hearing.py``): with server VAD as the VAD judges them, so the
 encoder holds exactly the turn when the VAD ends it, without VAD as they are appended. A commit
 finishes that encoding (what is left is the last partial second) and the user message carries
-its rows, which the response's thinker reads in place of its audio placeholders.
+its rows, which the response's thinker reads in place of its audio placeholders. A model that
+can (``warm`` given) also prefills the turn's response while the user speaks (``warm.py``):
+the conversation and the turn up to the encoder's last finished row, at most one such request
+at a time, none while a response runs; the response resumes from it and never waits for it.
 
 At most one response runs at a time. A response is one request of the model's program over the
 conversation; cancelling it (``response.cancel``, barge-in, the client leaving) closes that
@@ -57,6 +60,7 @@ from mstar_async.realtime.resample import PcmResampler
 from mstar_async.realtime.response import ResponseRun, Spoken
 from mstar_async.realtime.turns import SpeechStarted, SpeechStopped, TurnDetector
 from mstar_async.realtime.vad import FRAME, SAMPLE_RATE
+from mstar_async.realtime.warm import Warm, Warmer, WarmTurn
 from mstar_async.runtime import Runtime
 
 log = get_logger("mstar_async.realtime")
@@ -88,7 +92,8 @@ class RealtimeSession:
     transcript cannot be answered); ``on_heard`` is told how each committed turn was heard;
     ``forget`` frees what the model kept of the conversation, once the session has ended and
     its last response is closed; ``rewind(messages)`` rolls what it kept back to where the
-    conversation, now ``messages``, changed.
+    conversation, now ``messages``, changed; ``warm`` prefills a spoken turn while it is
+    spoken (see ``warm.py``; only with ``hear``).
     """
 
     def __init__(
@@ -105,9 +110,12 @@ class RealtimeSession:
         on_heard: Callable[[HeardTurn], None] | None = None,
         forget: Callable[[], Awaitable[None]] | None = None,
         rewind: Rewind | None = None,
+        warm: Warm | None = None,
         session_id: str | None = None,
     ) -> None:
         self.id = session_id or new_id("sess")
+        self.warm = warm if hear is not None else None
+        self.warmer: Warmer | None = None
         self.forget = forget
         self.rewind = rewind
         # The system message the model's kept conversation starts with (the last response's).
@@ -158,6 +166,8 @@ class RealtimeSession:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                if self.warm is not None:
+                    self.warmer = Warmer(self.warm, tg, self._warm_prompt, f"{self.id}-warm")
                 async for event in events:
                     await self.handle(event)
                 tg.cancel_scope.cancel()
@@ -247,8 +257,30 @@ class RealtimeSession:
         if self.hearing is None:
             assert self._tg is not None
             self._hearings += 1
-            self.hearing = Hearing(self.hear, self._tg, f"{self.id}-hear-{self._hearings}")
+            name = f"{self.id}-hear-{self._hearings}"
+            self.hearing = Hearing(self.hear, self._tg, name, on_rows=self._warm_soon)
+            self._warm_soon()  # the conversation and the turn's opening, while it is spoken
         await self.hearing.feed(samples)
+
+    def _warm_soon(self) -> None:
+        """The turn being heard, or the conversation before it, changed: warm it again."""
+        if self.warmer is not None:
+            self.warmer.want()
+
+    def _warm_prompt(self) -> WarmTurn | None:
+        """What to prefill now: the conversation, then the turn being heard with the rows its
+        encoder has finished; None while a response runs (the warm would compete with it, and
+        its reply is not in the conversation yet) or when no turn is being heard."""
+        if self.response is not None or self.hearing is None:
+            return None
+        try:
+            messages = self.conversation.messages(_system(self.config), hears=True)
+        except RealtimeError:
+            return None
+        rows = self.hearing.rows
+        heard = torch.zeros(0, 0) if rows is None else rows
+        turn = {"role": "user", "content": "", "audio": heard}  # as the commit will add it
+        return WarmTurn([*messages, turn], self.config)
 
     async def _finish_hearing(self, samples: int) -> torch.Tensor | None:
         """The rows of the ``samples`` just taken from the buffer (None: the response encodes
@@ -358,6 +390,8 @@ class RealtimeSession:
         self.pending_item = None
 
     async def _commit(self, item_id: str, samples: int) -> None:
+        if self.warmer is not None:
+            self.warmer.stop()  # what it warmed stays, for the response to resume from
         audio = self.buffer.take(samples)
         rows = await self._finish_hearing(audio.size)
         message = Message("user", audio=audio, rows=rows, id=item_id)
@@ -385,6 +419,8 @@ class RealtimeSession:
         if self.hearing is not None:
             self.hearing.cancel()
             self.hearing = None
+        if self.warmer is not None:
+            self.warmer.discard()  # the turn it warmed is gone
         self.unheard.drop(self.buffer.start)
         if self.turns is not None:
             self.turns.reset()
@@ -412,6 +448,7 @@ class RealtimeSession:
         await self.send(self.event("conversation.item.done", previous_item_id=before, item=body))
         if inserted:
             await self._rewind()
+        self._warm_soon()
 
     async def _item_delete(self, event: dict[str, Any]) -> None:
         item_id = _string(event, "item_id")
@@ -419,6 +456,7 @@ class RealtimeSession:
         self.spoken.pop(item_id, None)
         await self.send(self.event("conversation.item.deleted", item_id=item_id))
         await self._rewind()
+        self._warm_soon()
 
     async def _rewind(self) -> None:
         """An earlier item changed: the model rolls what it keeps of the conversation back to
@@ -467,6 +505,7 @@ class RealtimeSession:
         )
         # What the model kept past the text the user heard goes back to the pool now.
         await self._rewind()
+        self._warm_soon()
 
     # --- responses -----------------------------------------------------------------------------
 
@@ -503,6 +542,9 @@ class RealtimeSession:
             return
         run = ResponseRun(self.names, config, self.send, self.model_rate, metadata=metadata)
         self.response = run
+        if self.warmer is not None:
+            # The response resumes from what was warmed so far and does not wait for more.
+            self.warmer.stop()
         self._response_ended = anyio.Event()
         self._kept_system = _system(config)
         self._cancel_reason = "client_cancelled"
@@ -545,8 +587,20 @@ class RealtimeSession:
                     self.spoken[run.message.id] = run.spoken
                 self.response = None
                 self._response_scope = None
+                self._warm_next()
                 await run.finish(status, reason, usage, error=error)
                 ended.set()
+
+    def _warm_next(self) -> None:
+        """A response ended: warm the turn being heard now (the reply is in the conversation),
+        or, with none, drop what was warmed (the answered turn's, which the conversation's
+        own kept KV now holds)."""
+        if self.warmer is None:
+            return
+        if self.hearing is not None:
+            self.warmer.want()
+        else:
+            self.warmer.discard()
 
     def _cancel_response(self, reason: str) -> None:
         if self._response_scope is not None:

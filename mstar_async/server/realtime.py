@@ -12,7 +12,9 @@ turn's speech while it is spoken; these are not counted against the model's in-f
 (they hold no KV cache), as the VAD's are not. A model whose program takes ``session`` keeps
 the conversation's KV between the session's responses (each response passes the session's id),
 rolls it back when an earlier item changes (``rewind``: a truncated reply's memory comes back at
-the truncate event) and frees it when the session ends.
+the truncate event) and frees it when the session ends. A model that also takes ``warm``
+prefills a spoken turn while it is spoken (``realtime/warm.py``): at most one such request per
+session, not counted against the in-flight bound and none while the model is at it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mstar_async.realtime.config import SessionConfig
 from mstar_async.realtime.events import RealtimeError, new_id
 from mstar_async.realtime.hearing import Hear, HeardTurn
 from mstar_async.realtime.session import RealtimeSession
+from mstar_async.realtime.warm import Warm, WarmTurn
 from mstar_async.server.errors import APIError
 from mstar_async.server.served import ServedModel
 from mstar_async.server.speech_models import voice_inputs
@@ -66,21 +69,33 @@ class _Reply:
         }
 
 
+def _turn_inputs(
+    served: ServedModel, session_id: str, messages: list[dict[str, Any]], config: SessionConfig
+) -> dict[str, Any]:
+    """A response's program inputs for ``messages`` under ``config``.
+
+    Raises:
+        APIError: 400 when the model lacks the session's voice.
+    """
+    inputs: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens}
+    if "session" in served.inputs:  # the model keeps the conversation's KV between turns
+        inputs["session"] = session_id
+    if "temperature" in served.inputs:
+        inputs["temperature"] = config.temperature
+    if "speak" in served.inputs:
+        inputs["speak"] = config.speaks
+    if config.speaks:
+        inputs.update(voice_inputs(served, config.voice))
+    return inputs
+
+
 def _responder(state: ServerState, served: ServedModel, session_id: str) -> Any:
     @asynccontextmanager
     async def respond(
         messages: list[dict[str, Any]], config: SessionConfig
     ) -> AsyncIterator[_Reply]:
-        inputs: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens}
-        if "session" in served.inputs:  # the model keeps the conversation's KV between turns
-            inputs["session"] = session_id
-        if "temperature" in served.inputs:
-            inputs["temperature"] = config.temperature
-        if "speak" in served.inputs:
-            inputs["speak"] = config.speaks
         try:
-            if config.speaks:
-                inputs.update(voice_inputs(served, config.voice))
+            inputs = _turn_inputs(served, session_id, messages, config)
             tracked = await TrackedRequest.start(state, served, ROUTE, inputs, prime=False)
         except APIError as refused:
             code = "rate_limit_exceeded" if refused.status == 429 else "invalid_value"
@@ -145,6 +160,30 @@ def _rewinder(served: ServedModel, session_id: str) -> Any:
             log.warning("realtime.rewind_failed", session=session_id, error=repr(exc))
 
     return rewind
+
+
+def _warmer(served: ServedModel, session_id: str) -> Warm | None:
+    """Prefills the session's spoken turn while it is spoken (``realtime/warm.py``); None for
+    a model that cannot. A warm request is not counted against the model's in-flight bound
+    (it must never refuse a response a place), and none starts while the model is at it."""
+    if "warm" not in served.inputs or "session" not in served.inputs:
+        return None
+
+    async def warm(turn: WarmTurn | None, request_id: str) -> None:
+        admission = served.admission
+        if turn is not None and admission.in_flight >= admission.limit:
+            return
+        inputs: dict[str, Any] = {"session": session_id, "warm": True}
+        try:
+            if turn is not None:
+                inputs.update(_turn_inputs(served, session_id, turn.messages, turn.config))
+            async with served.runtime.generate(request_id=request_id, **inputs) as out:
+                async for _ in out:
+                    pass
+        except (MstarError, APIError) as exc:  # a warm is only ever worth some time
+            log.warning("realtime.warm_failed", session=session_id, error=repr(exc))
+
+    return warm
 
 
 def _heard(state: ServerState, model: str) -> Any:
@@ -219,6 +258,7 @@ async def realtime(ws: WebSocket) -> None:
         on_heard=_heard(state, served.name),
         forget=_forgetter(served, session_id),
         rewind=_rewinder(served, session_id),
+        warm=_warmer(served, session_id),
         session_id=session_id,
     )
     log.info("realtime.start", session=session.id, model=served.name, beta=beta)

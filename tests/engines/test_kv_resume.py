@@ -92,6 +92,29 @@ def test_a_new_turn_computes_only_its_new_tokens_and_samples_as_a_full_prefill()
     world.engine.allocator.check_invariants()
 
 
+@pytest.mark.parametrize(("conv", "warm"), [(15, 0), (15, 9), (9, 15), (0, 15), (0, 0), (5, 5)])
+def test_of_several_handles_the_one_sharing_the_most_is_resumed(conv: int, warm: int) -> None:
+    # A conversation kept by its last turn, and the next turn's opening computed ahead of it
+    # (while the user spoke): each shares some leading tokens of the prompt, then departs.
+    prompt = TURN1 + TURN2
+    world = Counted()
+    for name, shared in (("conv", conv), ("warm", warm)):
+        world.run(name, "retain", handle=name)
+        kept = prompt[:shared] + [(t + 1) % VOCAB for t in prompt[shared : shared + 3]]
+        world.turn(name, kept, n=1)
+        world.engine.release(name)
+    world.computed = 0
+    first = world.turn("t", prompt, n=1, resume=("conv", "warm", "gone"))[0]
+    assert world.computed == len(prompt) - max(conv, warm)
+    assert world.engine.reused_tokens == max(conv, warm)
+    assert first == _fresh(prompt)
+    world.engine.release("t")
+    for name in ("conv", "warm"):
+        world.engine.drop_handle(name)
+    assert world.engine.blocks_in_use == 0
+    world.engine.allocator.check_invariants()
+
+
 @pytest.mark.parametrize("departs", [0, 3, 8, 14])
 def test_a_prompt_that_departs_earlier_rolls_back_to_there(departs: int) -> None:
     world = Counted()

@@ -15,6 +15,7 @@ import torch
 from mstar_async.models import build_model
 from mstar_async.models.checkpoints import ChatTokenizer, smollm2_folder
 from mstar_async.models.qwen3_omni.audio_prompt import audio_tokens, build_prompt
+from mstar_async.models.qwen3_omni.config import SIZES
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
 from mstar_async.runtime import open_runtime
 
@@ -196,4 +197,90 @@ async def test_rewind_frees_what_a_cut_reply_kept_at_once_and_answers_as_a_fresh
         for name in ("s4", "s5"):
             async with runtime.generate(session=name, end_session=True) as out:
                 [o async for o in out]
+        assert runtime.batching.kv_blocks_in_use == 0
+
+
+def _spoken_turn(rows: torch.Tensor) -> dict[str, Any]:
+    return {"role": "user", "content": "", "audio": rows}
+
+
+async def _warm(runtime: Any, messages: list[dict[str, Any]], session: str) -> None:
+    """Prefill ``messages`` (the turn being spoken last) under the session's warm handle."""
+    with anyio.fail_after(60):
+        async with runtime.generate(messages=messages, session=session, warm=True) as outputs:
+            assert [o async for o in outputs] == []
+
+
+async def _answer(runtime: Any, messages: list[dict[str, Any]], **inputs: Any) -> tuple[Any, ...]:
+    """A seeded spoken reply (thinker and talker sampling): its text and codec frames."""
+    given = {"max_tokens": 6, "ignore_eos": True, "max_frames": 6, "temperature": 0.8}
+    with anyio.fail_after(60):
+        async with runtime.generate(
+            messages=messages, return_codes=True, seed=7, **given, **inputs
+        ) as out:
+            items = [o async for o in out]
+    text = "".join(o.text for o in items if isinstance(o, TextDelta))
+    frames = [o.latent.tolist() for o in items if isinstance(o, LatentOutput)]
+    assert text and frames
+    return text, frames
+
+
+async def test_a_turn_warmed_while_spoken_computes_only_its_tail_and_answers_the_same() -> None:
+    width = SIZES["tiny"].thinker.hidden_size
+    rows = torch.randn(39, width, generator=torch.Generator().manual_seed(5))
+    heard = 26  # rows of the turn's finished encoder windows when it was warmed
+    tokenizer = ChatTokenizer.from_folder(smollm2_folder())
+    async with open_runtime(build_model("qwen3-omni")) as runtime:
+        thinker, talker = (runtime.batching.engines[n] for n in ("thinker", "talker"))
+        conversation: list[dict[str, Any]] = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about the sea."},
+        ]
+        for session in ("cold", "warm"):  # spoken: the talker keeps the user turn too
+            reply = await _say(runtime, conversation, session=session, speak=True, max_frames=4)
+        conversation.append({"role": "assistant", "content": reply})
+        final = [*conversation, _spoken_turn(rows)]
+        prompt = build_prompt(tokenizer, audio_tokens(None, None, None, tokenizer), final, [39])
+        turn_at = prompt.audio_at[-1]  # the turn's first audio row
+        im_start = tokenizer.token_to_id("<|im_start|>")
+        opening = turn_at - max(i for i, t in enumerate(prompt.ids[:turn_at]) if t == im_start)
+        reused = {}
+        for session in ("cold", "warm"):
+            if session == "warm":
+                await _warm(runtime, [*conversation, _spoken_turn(rows[:heard])], session)
+                assert "warm:warm" in thinker.handles and "warm:warm" in talker.handles
+            before = thinker.reused_tokens, talker.reused_tokens
+            answer = await _answer(runtime, final, session=session)
+            reused[session] = (thinker.reused_tokens - before[0], talker.reused_tokens - before[1])
+            reused[session + " answer"] = answer
+        # The warmed turn: the thinker took everything up to the last row heard from the warm
+        # handle; the cold one only the conversation its last turn kept (the new turn's header
+        # and rows computed at the response).
+        assert reused["warm"][0] == turn_at + heard
+        assert reused["cold"][0] < turn_at
+        # The talker likewise: the turn's opening and its 26 rows more than the cold turn.
+        assert reused["warm"][1] - reused["cold"][1] == opening + heard
+        # And the answer is the same, tokens and frames, as without the warm and as a request
+        # that prefills everything.
+        whole = await _answer(runtime, final)
+        assert reused["warm answer"] == reused["cold answer"] == whole
+        for session in ("cold", "warm"):
+            async with runtime.generate(session=session, end_session=True) as outputs:
+                [o async for o in outputs]
+        assert thinker.handles == {} and talker.handles == {}
+        assert runtime.batching.kv_blocks_in_use == 0
+
+
+async def test_a_cleared_warm_leaves_no_handle_and_no_blocks() -> None:
+    width = SIZES["tiny"].thinker.hidden_size
+    rows = torch.randn(13, width, generator=torch.Generator().manual_seed(6))
+    async with open_runtime(build_model("qwen3-omni")) as runtime:
+        engines = [runtime.batching.engines[n] for n in ("thinker", "talker")]
+        conversation = [{"role": "system", "content": "Be brief."}, _spoken_turn(rows)]
+        await _warm(runtime, conversation, "c")
+        assert all("warm:c" in e.handles for e in engines) and runtime.batching.kv_blocks_in_use
+        # Nothing left to warm (the turn was cleared): the warm handle goes, and its blocks.
+        async with runtime.generate(session="c", warm=True) as outputs:
+            assert [o async for o in outputs] == []
+        assert all(e.handles == {} for e in engines)
         assert runtime.batching.kv_blocks_in_use == 0

@@ -762,3 +762,48 @@ async def test_twenty_turns_reuse_the_conversation_and_leave_nothing_behind(live
     # The socket is closed: every request, walk, KV block (the kept conversation's too: the
     # session frees it as it ends) and VAD stream of it is gone.
     await live.all_released()
+
+
+def warmed(live: Live, before: set[str]) -> int | None:
+    """The tokens the thinker keeps of the one spoken turn warmed since ``before`` (the
+    handles then), or None when none is kept."""
+    names = [n for n in live.thinker().handles if n.startswith("warm:") and n not in before]
+    return live.thinker().handles[names[0]][1] if names else None
+
+
+async def test_a_turn_is_prefilled_while_spoken_and_a_clear_or_close_frees_it(live: Live) -> None:
+    await no_other_conversations(live)
+    thinker = live.thinker()
+    before = set(thinker.handles)
+    # Ten seconds of speech: the encoder's first 8 s window closes while it is spoken.
+    long = np.concatenate([sentence(n) for n in ("story", "weather", "stop", "story", "weather")])
+    window = 104  # the rows of one 8 s window
+    async with connect(live) as conn:
+        await conn.session.update(session=MANUAL)
+        await until(conn, "session.updated")
+        await send_audio(conn, long)
+        # Before the commit, the response's prompt up to the window's last row is prefilled.
+        assert await settled(lambda: (warmed(live, before) or 0) > window)
+        kept = warmed(live, before)
+        assert kept is not None
+        await conn.input_audio_buffer.commit()
+        await until(conn, "input_audio_buffer.committed")
+        reused = thinker.reused_tokens
+        await text_reply(conn)
+        # The response took the warmed prefix instead of computing it: the whole window.
+        assert window < thinker.reused_tokens - reused <= kept
+        # Answered, and no turn is being heard: what was warmed goes (the conversation's kept
+        # KV holds the turn now).
+        assert await settled(lambda: warmed(live, before) is None)
+        # A turn that is cleared while spoken leaves nothing warmed: no handle, no blocks.
+        await send_audio(conn, sentence("stop"))
+        assert await settled(lambda: warmed(live, before) is not None)
+        await conn.input_audio_buffer.clear()
+        await until(conn, "input_audio_buffer.cleared")
+        assert await settled(lambda: warmed(live, before) is None)
+        assert await live.settled_request_blocks() == 0
+        # A closed session leaves nothing either, what was warmed included.
+        await send_audio(conn, sentence("stop"))
+        assert await settled(lambda: warmed(live, before) is not None)
+    await live.all_released()
+    assert not [n for n in thinker.handles if n not in before]

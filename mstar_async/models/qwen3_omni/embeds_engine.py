@@ -119,8 +119,9 @@ class EmbedsKVEngine(KeptKV):
     that carries one (greedy otherwise) and lives until ``release``.
 
     Besides the model's ops (a keyed step of one may carry ``resume``: a handle to start from,
-    and ``keep``: a handle to keep its keyed rows under, evictable, when the request is released,
-    unless that handle already holds every one of them), the handle ops, bookkeeping only:
+    or several, of which the one sharing the most rows is taken; and ``keep``: a handle to keep
+    its keyed rows under, evictable, when the request is released, unless that handle already
+    holds every one of them), the handle ops, bookkeeping only:
 
     - ``retain``: ``handle``, optional ``evictable`` -> ``{}``. When the request is released,
       its sequence's keyed leading rows are kept under ``handle`` (replacing one of that name):
@@ -305,8 +306,9 @@ class EmbedsKVEngine(KeptKV):
     def _resume(self, step: Step, op: EmbedsOp, rows: int) -> int:
         """For a keyed step that starts its request's sequence, of a request that keeps or
         resumes a conversation: record its keys (``keep``: to be kept, if its handle lacks
-        some) and, with ``resume``, start the sequence as the handle's rows its keys share (all
-        but its last row at most); returns the rows taken."""
+        some) and, with ``resume`` (a handle, or several: the one sharing the most), start the
+        sequence as the handle's rows its keys share (all but its last row at most); returns
+        the rows taken."""
         rid = step.request_id
         name, keep = step.inputs.get("resume"), step.inputs.get("keep")
         if (
@@ -321,11 +323,12 @@ class EmbedsKVEngine(KeptKV):
             # Kept lazily: on first use, after an eviction, or for a prompt that departs from
             # what the handle holds; otherwise the handle is left as it is.
             self._handles.retain(rid, rid, str(keep), PREFIX)
-        shared = min(self._handles.shared(name, keys), rows - 1) if name else 0
+        handle, shared = self._handles.longest(name, keys)
+        shared = min(shared, rows - 1)
         if shared <= 0:
             return 0
         self._drop_kv(rid)
-        self._handles.fork(str(name), rid, shared)
+        self._handles.fork(handle, rid, shared)
         self.reused_tokens += shared
         return shared
 

@@ -21,7 +21,9 @@ replace the audio placeholders' embeddings in ``thinker_prefill`` (see ``audio_p
 Walks: ``prefill`` (thinker prompt), ``text`` (text-only decode), ``voice`` (talker prompt) and
 ``speak`` (thinker decode, talker frames and code2wav, pipelined in one ``Sequential``); ``keep``,
 ``forget``, ``rewind`` and ``rewind_voice`` look after a conversation's KV kept between turns
-(the thinker's whole conversation, the talker's user turns). The
+(the thinker's whole conversation, the talker's user turns); a ``warm`` request prefills a
+spoken turn still being spoken, as far as its rows are final, under a second handle that the
+turn resumes from when it shares more (``turn_prompt``). The
 talker's loop reads the thinker's tokens one per frame and goes on after they end, with
 ``tts_pad`` rows until codec end-of-speech, so code2wav sees one uninterrupted grid of windows.
 The talker gets the thinker's input embedding rows (of the prompt, the first token, each streamed
@@ -34,7 +36,6 @@ finishes windows, interleaved.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
@@ -101,6 +102,12 @@ from mstar_async.models.qwen3_omni.talker import (
     talker_ops,
 )
 from mstar_async.models.qwen3_omni.thinker_engine import ThinkerEngine
+from mstar_async.models.qwen3_omni.turn_prompt import (
+    known_prompt,
+    placed,
+    reply_header,
+    warm_prompt,
+)
 from mstar_async.models.qwen3_omni.weights import OmniWeights
 from mstar_async.models.registry import register
 from mstar_async.outputs import AudioChunk, LatentOutput, TextDelta
@@ -477,15 +484,17 @@ def _handle(session: str) -> str:
     return f"conversation:{session}"
 
 
-def _placed(
-    rows: list[torch.Tensor], audio_at: list[int]
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A prefill's ``embeds`` and ``embeds_at``: the audio parts' rows (the first
-    ``len(rows)`` parts) at their placeholders."""
-    if not rows:
-        return None, None
-    at = [torch.arange(r.shape[0]) + a for r, a in zip(rows, audio_at[: len(rows)], strict=True)]
-    return torch.cat(rows), torch.cat(at)
+def _warm_handle(session: str) -> str:
+    """The KV handle (thinker's and talker's) of conversation ``session``'s next turn,
+    prefilled while the user speaks it (``warm``)."""
+    return f"warm:{session}"
+
+
+def _resume(session: str | None) -> tuple[str, str] | None:
+    """What a turn of conversation ``session`` resumes from: the conversation as its last
+    turn kept it, or the turn's own opening prefilled while it was spoken, whichever shares
+    more of the prompt."""
+    return (_handle(session), _warm_handle(session)) if session else None
 
 
 async def _rewind(
@@ -510,18 +519,14 @@ async def _rewind(
     width = cfg.thinker.hidden_size
     parts = [check_audio(m, cfg.audio, width, max_samples) for m in messages]
     audio = [a for a in parts if a is not None]
-    assert cfg.audio is not None or not audio  # check_audio refused audio without an encoder
-    counts = [audio_rows(cfg.audio, a) for a in audio] if cfg.audio is not None else []
+    laid = known_prompt(tokenizer, audio_ids, cfg.audio, messages, audio)
     # The prompt a next turn would start with: the conversation, then the reply's header,
     # which the thinker does not keep (that next turn has a user turn there first).
-    prompt = build_prompt(tokenizer, audio_ids, messages, counts)
-    ids = torch.tensor(prompt.ids)
-    header = max(i for i, t in enumerate(prompt.ids) if t == tokens.im_start)
-    rows = list(itertools.takewhile(lambda a: a.dim() == 2, audio))
-    embeds, embeds_at = _placed(rows, prompt.audio_at)
+    ids = torch.tensor(laid.prompt.ids)
+    header = reply_header(laid.prompt.ids, tokens.im_start)
     handle = _handle(session)
     kept = await request.run(
-        "rewind", handle=handle, tokens=ids[:header], embeds=embeds, embeds_at=embeds_at
+        "rewind", handle=handle, tokens=ids[:header], embeds=laid.embeds, embeds_at=laid.embeds_at
     )
     keys = talker_keys(tokens, ids, kept["embeds_out"])
     await request.run("rewind_voice", handle=handle, keys=keys)
@@ -544,6 +549,7 @@ def _program(
         session: str | None = None,
         end_session: bool = False,
         rewind: bool = False,
+        warm: bool = False,
         max_tokens: int = 64,
         speak: bool = True,
         seed: int = 0,
@@ -577,7 +583,8 @@ def _program(
             # The conversation is over: its kept KV goes back to the pool.
             if not session:
                 raise ValueError("end_session needs session=<the conversation's name>")
-            await request.run("forget", handle=_handle(session))
+            for handle in _resume(session) or ():
+                await request.run("forget", handle=handle)
             return
         if rewind:
             # An earlier item changed (a reply truncated where the user stopped listening):
@@ -600,10 +607,27 @@ def _program(
         voice = (speaker or next(iter(tokens.speakers))).lower()
         if voice not in tokens.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; speakers: {sorted(tokens.speakers)}")
-        conversation, rows = await _heard(request, cfg, max_samples, text, messages, audio)
-        prompt = build_prompt(tokenizer, audio_ids, conversation, [r.shape[0] for r in rows])
-        ids = torch.tensor(prompt.ids)
-        embeds, embeds_at = _placed(rows, prompt.audio_at)
+        if warm:
+            # The user is still speaking: prefill the turn so far (``warm_prompt``) under the
+            # conversation's warm handle, which the turn's response resumes from.
+            if not session:
+                raise ValueError("warm needs session=<the conversation's name>")
+            if not messages:
+                # No turn in progress any more (cleared): what was warmed goes back now.
+                await request.run("forget", handle=_warm_handle(session))
+                return
+            width = cfg.thinker.hidden_size
+            ids, embeds, embeds_at = warm_prompt(
+                tokenizer, audio_ids, cfg.audio, width, max_samples, tokens.im_start, messages
+            )
+            keep: str | None = _warm_handle(session)
+        else:
+            conversation, rows = await _heard(request, cfg, max_samples, text, messages, audio)
+            prompt = build_prompt(tokenizer, audio_ids, conversation, [r.shape[0] for r in rows])
+            ids = torch.tensor(prompt.ids)
+            embeds, embeds_at = placed(rows, prompt.audio_at)
+            # Kept for the next turn: the thinker's whole conversation, the talker's user turns.
+            keep = _handle(session) if session else None
         stop_ids = frozenset() if ignore_eos else tokenizer.eos_token_ids
         sampling = SamplingParams(
             temperature=temperature,
@@ -614,19 +638,36 @@ def _program(
             stop_token_ids=stop_ids,
         )
         detok = IncrementalDecoder(tokenizer)
-        if session:
-            # Keep this turn's KV for the next (evictable: a turn that finds it gone computes
-            # the conversation again), and start from the last turn's: the thinker's whole
-            # conversation, the talker's user turns.
-            await request.run("keep", handle=_handle(session), evictable=True)
+        if keep:
+            # Evictable: a turn that finds it gone computes the conversation again. The turn
+            # starts from the last turn's KV or from what was warmed of it, whichever has more.
+            await request.run("keep", handle=keep, evictable=True)
         prefill = await request.run(
             "prefill",
             tokens=ids,
             sampling=sampling,
             embeds=embeds,
             embeds_at=embeds_at,
-            resume=_handle(session) if session else None,
+            resume=_resume(session),
         )
+
+        async def voice_code() -> Any:
+            """The talker's prefill (its user turns resumed as the thinker's were): the first
+            frame's codebook 0."""
+            out = await request.run(
+                "voice",
+                prompt=ids,
+                speaker=tokens.speakers[voice],
+                audio_hidden=prefill["embeds_out"],
+                sampling=voice_params,
+                resume=_resume(session),
+            )
+            return out["code"]
+
+        if warm:
+            if speak:
+                await voice_code()
+            return  # nothing is said before the turn ends
         first = int(prefill["token"])
         if first in stop_ids:
             return
@@ -639,18 +680,7 @@ def _program(
         # Frames are 80 ms; by default speech may run to eight frames per text token.
         frames_cap = max_frames or 8 * max_tokens
         params = {"max_tokens": max_tokens, "stop_ids": stop_ids, "max_frames": frames_cap}
-        code0 = None
-        if speak:
-            code0 = (
-                await request.run(
-                    "voice",
-                    prompt=ids,
-                    speaker=tokens.speakers[voice],
-                    audio_hidden=prefill["embeds_out"],
-                    sampling=voice_params,
-                    resume=_handle(session) if session else None,
-                )
-            )["code"]
+        code0 = await voice_code() if speak else None
         if code0 is None or int(code0) == tokens.codec_eos:
             async with request.stream("text", params=params) as events:
                 async for event in events:
