@@ -38,8 +38,8 @@ and every figure below pools their sessions (``barge_ins`` counts them; KV free 
 over rounds). Per session count: barge-in time (each session's ``speech_started`` arrival to
 its ``response.done``, and from a round's last ``speech_started`` to the model's KV blocks all
 free, polled every millisecond); VAD delay in audio time (``audio_start_ms +
-prefix_padding_ms`` against the speech's onset in the sent audio; ``audio_end_ms - silence_duration_ms`` against its real end)
-and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA realtime
+prefix_padding_ms`` against the speech's onset in the sent audio; ``audio_end_ms -
+silence_duration_ms`` against its real end) and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA realtime
 and baseline; spoken TTFA, against the text turn's; what the encoder had left at VAD stop:
 ``speech_stopped`` to ``input_audio_buffer.committed`` (the server finishes the hearing before
 it commits) and the speech it had not yet convolved (the server's
