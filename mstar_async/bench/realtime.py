@@ -33,16 +33,16 @@ Then the same N text turns go, at once, through the turn-based baseline: ``POST
 ``stream: true`` and the same messages and token bound; its TTFA counts to the first chunk
 carrying audio. Rounds alternate which goes first (a shared machine's load drifts).
 
-With ``rounds`` above one, the N sessions run that many times in a row before the baseline,
-and every figure below pools their sessions (``barge_ins`` counts them; KV free is the median
-over rounds). Per session count: barge-in time (each session's ``speech_started`` arrival to
-its ``response.done``, and from a round's last ``speech_started`` to the model's KV blocks all
-free, polled every millisecond); VAD delay in audio time (``audio_start_ms +
-prefix_padding_ms`` against the speech's onset in the sent audio; ``audio_end_ms -
-silence_duration_ms`` against its real end) and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA realtime
-and baseline; spoken TTFA, against the text turn's; what the encoder had left at VAD stop:
-``speech_stopped`` to ``input_audio_buffer.committed`` (the server finishes the hearing before
-it commits) and the speech it had not yet convolved (the server's
+With ``rounds`` above one, the N sessions run that many times in a row before the baseline, and
+every figure below pools their sessions (``barge_ins`` counts them; KV free is the median over
+rounds). Per session count: barge-in time (each session's ``speech_started`` arrival to its
+``response.done``, and from a round's last ``speech_started`` to the model's KV blocks all free,
+polled every millisecond); VAD delay in audio time (``audio_start_ms + prefix_padding_ms``
+against the speech's onset in the sent audio; ``audio_end_ms - silence_duration_ms`` against its
+real end) and in wall time (``speech_started`` arrival after the onset's piece was sent); TTFA
+realtime and baseline; spoken TTFA, against the text turn's; what the encoder had left at VAD
+stop: ``speech_stopped`` to ``input_audio_buffer.committed`` (the server finishes the hearing
+before it commits) and the speech it had not yet convolved (the server's
 ``mstar_realtime_turn_unheard_seconds``, read in process); underruns, stall and audio delivered
 per wall second of the reply.
 """
