@@ -342,9 +342,7 @@ class WalkRun:
                 target.cells[edge].close()
 
     async def _run_node(self, node: Node, scope: Scope) -> None:
-        facts = self._facts.get(node.name)
-        if facts is None:
-            facts = self._facts[node.name] = _NodeFacts(self, node)
+        facts = self._facts_of(node)
         fed, streamed = facts.fed, facts.streamed
         inputs: dict[str, Any] = {}
         for port, ref in facts.inputs:
@@ -357,6 +355,12 @@ class WalkRun:
         else:
             stream = scope.owner(streamed.lca).streams[streamed]
             await self._fire_per_chunk(facts, inputs, scope, streamed.dst.port, stream)
+
+    def _facts_of(self, node: Node) -> _NodeFacts:
+        facts = self._facts.get(node.name)
+        if facts is None:
+            facts = self._facts[node.name] = _NodeFacts(self, node)
+        return facts
 
     async def _fire_per_chunk(
         self,
@@ -501,7 +505,7 @@ class WalkRun:
         if not isinstance(body, NodeRef) or not loop.carry:
             return None
         node = self.plan.nodes[body.name]
-        facts = self._facts.get(node.name) or _NodeFacts(self, node)
+        facts = self._facts_of(node)
         if facts.fed is not None or facts.streamed is not None:
             return None
         pairs = []

@@ -422,6 +422,8 @@ class WalkLoop:
 
     def _discard_declined(self) -> None:
         # Between forwards (as ``release``): an engine is never touched beside its forward.
+        if not self._declined:
+            return  # the usual round: nothing was launched ahead in vain
         declined, self._declined = self._declined, []
         for name, step in declined:
             discard = getattr(self.engines.get(name), "discard", None)
