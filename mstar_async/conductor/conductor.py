@@ -96,7 +96,8 @@ class RequestStream:
 
         Safe from a cancelled task: the wait is shielded and lasts until the step in flight ends.
         """
-        self._scope.cancel()
+        if not self._finished.is_set():
+            self._scope.cancel()
         self._outbox.close_reader()
         with anyio.CancelScope(shield=True):
             await self._finished.wait()
@@ -194,7 +195,8 @@ class Conductor(TaskGroupOwner):
                 async for item in program:
                     stream.metrics.observe(item)
                     await stream._outbox.put(item)
-            walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
+            if context.spawned:  # (a cancel formats its task's repr: not free)
+                walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
 
 
 def _as_request_failure(exc: BaseException, stream: RequestStream) -> BaseException | None:

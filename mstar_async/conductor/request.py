@@ -47,6 +47,9 @@ class RequestContext:
         self.persisted: dict[PortRef, Any] = {}
         self._task_group = task_group
         self._channels: list[Any] = []
+        #: Whether a task was started in the request's task group (by it or a replica's run).
+        self.spawned = False
+        self._root = self
 
     def record_usage(
         self, *, prompt_tokens: int | None = None, completion_tokens: int | None = None
@@ -95,6 +98,7 @@ class RequestContext:
 
     def start_soon(self, func: Any, *args: Any) -> None:
         """Run ``func(*args)`` in the request's task group (cancelled with the request)."""
+        self._root.spawned = True
         self._task_group.start_soon(func, *args)
 
     def cancel_walks(self) -> None:
@@ -185,6 +189,7 @@ class RequestContext:
             metrics=self.metrics,
         )
         request.persisted = dict(self.persisted)
+        request._root = self._root
         return request
 
 

@@ -49,18 +49,22 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from functools import partial
 from types import TracebackType
 from typing import Self, TypeVar, cast
 
 import zmq
 import zmq.asyncio
 
+from mstar_async.logs import get_logger
 from mstar_async.transport import shm
 from mstar_async.transport.codec import Buffer
 from mstar_async.transport.curve import CurveClient, CurveServer
 from mstar_async.transport.errors import TransportError
 from mstar_async.transport.secure import Gate, check_listen, secure_client, secure_server
 from mstar_async.transport.wire import Message, decode_message, encode_message
+
+log = get_logger("mstar_async.transport.zmq_link")
 
 __all__ = ["Link", "Server", "ZmqHub"]
 
@@ -116,31 +120,35 @@ class _Socket:
     async def _send_parts(self, parts: Sequence[Buffer], batch: shm.ShmBatch | None = None) -> None:
         future: asyncio.Future[object] | None = None
         try:
-            if self._closed:
-                raise TransportError(f"send on a closed socket ({self._endpoint})")
-            # One frame (a small message from a Link) skips send_multipart's per-frame loop.
-            sent = (
-                self._sock.send(parts[0], copy=False)
-                if len(parts) == 1
-                else self._sock.send_multipart(parts, copy=False)
-            )
-            future = cast("asyncio.Future[object]", sent)
+            future = self._start_send(parts)
             # pyzmq sends at once when the queue has room and returns a finished future; only a
             # full queue (hwm > 0) makes us wait.
             if not future.done():
                 await future
             future.result()
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                raise TransportError(
-                    f"no peer {bytes(parts[0])!r} connected to {self._endpoint}"
-                ) from exc
-            raise TransportError(f"send failed on {self._endpoint}: {exc}") from exc
+            raise self._send_error(parts, exc) from exc
         finally:
             # A message that did not go out frees its segments; one that did leaves them to
             # the receiver (a cancel that lands after the send finished must not free them).
             if batch is not None and not _sent(future):
                 batch.cancel()
+
+    def _start_send(self, parts: Sequence[Buffer]) -> asyncio.Future[object]:
+        if self._closed:
+            raise TransportError(f"send on a closed socket ({self._endpoint})")
+        # One frame (a small message from a Link) skips send_multipart's per-frame loop.
+        sent = (
+            self._sock.send(parts[0], copy=False)
+            if len(parts) == 1
+            else self._sock.send_multipart(parts, copy=False)
+        )
+        return cast("asyncio.Future[object]", sent)
+
+    def _send_error(self, parts: Sequence[Buffer], exc: zmq.ZMQError) -> TransportError:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return TransportError(f"no peer {bytes(parts[0])!r} connected to {self._endpoint}")
+        return TransportError(f"send failed on {self._endpoint}: {exc}")
 
     async def _recv_parts(self) -> list[zmq.Frame]:
         if self._closed:
@@ -224,6 +232,30 @@ class Link(_Socket):
         """
         parts, batch = self._encode(msg)
         await self._send_parts(parts, batch)
+
+    def send_nowait(self, msg: Message) -> None:
+        """Encode and send ``msg`` from synchronous code: at once when the socket has room
+        (always, at the default ``hwm=0``), else after the messages queued before it, in order.
+        A send that fails once queued frees the message's shared memory and is logged; the
+        link's next ``send`` or ``recv`` meets the same fault.
+
+        Raises:
+            TransportError: the link is closed, ``msg`` holds a value that cannot travel, or
+                the send failed at once.
+        """
+        parts, batch = self._encode(msg)
+        try:
+            future = self._start_send(parts)
+        except BaseException:
+            if batch is not None:
+                batch.cancel()
+            raise
+        if future.done():
+            _settle_send(future, batch, parts, self, late=False)
+        else:
+            future.add_done_callback(
+                partial(_settle_send, batch=batch, parts=parts, sock=self, late=True)
+            )
 
     async def send_frames(self, frames: Sequence[Buffer]) -> None:
         """Send already-framed parts (``encode_message`` output, or raw bytes for benchmarks).
@@ -489,6 +521,30 @@ class ZmqHub:
     def _forget(self, sock: _Socket) -> None:
         with contextlib.suppress(KeyError):
             self._sockets.remove(sock)
+
+
+def _settle_send(
+    future: asyncio.Future[object],
+    batch: shm.ShmBatch | None,
+    parts: Sequence[Buffer],
+    sock: _Socket,
+    *,
+    late: bool,
+) -> None:
+    """After ``send_nowait``'s send: a message that did not go out frees its segments, and its
+    fault is raised (``late``: it was queued, so the fault is logged instead)."""
+    if _sent(future):
+        return
+    if batch is not None:
+        batch.cancel()
+    error = None if future.cancelled() else future.exception()
+    fault = sock._send_error(parts, error) if isinstance(error, zmq.ZMQError) else error
+    if fault is None:
+        return
+    if late:
+        log.warning("transport.send_failed", endpoint=sock.endpoint, error=str(fault))
+        return
+    raise fault
 
 
 def _sent(future: asyncio.Future[object] | None) -> bool:

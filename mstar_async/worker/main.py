@@ -140,7 +140,7 @@ async def _serve_messages(
             walks.feed(message)
         elif isinstance(message, StartWalk):
             walks.begin(message)
-            tg.start_soon(walks.start, message)
+            walks.start(message)
         elif isinstance(message, StepRequest):
             tg.start_soon(_run_step, link, batching, tensors, message)
         elif isinstance(message, Release):

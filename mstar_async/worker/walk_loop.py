@@ -180,6 +180,10 @@ class WalkLoop:
         self._thread: ForwardThread | None = forward_thread  # the engines' own, when given
         self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
         self._declined: list[tuple[str, Step]] = []  # steps run ahead to undo (``_decline``)
+        #: Called once the walks a round resumed have run, and before the loop waits for a
+        #: threaded forward: a worker sends what they made from here, one message per round,
+        #: without a hop through the event loop first.
+        self.after_walks: Callable[[], None] | None = None
 
     @property
     def walks_running(self) -> int:
@@ -338,6 +342,8 @@ class WalkLoop:
         slice_start = time.perf_counter()
         while True:
             self.trampoline.run_ready()
+            if self.after_walks is not None:
+                self.after_walks()
             if not self.scheduler.has_work:
                 if self.trampoline.later:
                     self.trampoline.run_later()  # what ran ahead for them was withdrawn
@@ -395,6 +401,8 @@ class WalkLoop:
             # Walks whose next step is in this forward already (launched ahead) take their
             # last outputs now, off the forward's critical path.
             self.trampoline.run_later()
+            if self.after_walks is not None:
+                self.after_walks()
             await running
         else:
             forward()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -101,6 +101,7 @@ class WalkService:
         self._fetches: dict[int, set[anyio.CancelScope]] = {}  # walk id -> its values fetched
         self._wake = asyncio.Event()
         self._tasks: TaskGroup | None = None
+        loop.after_walks = self.flush
 
     def peer_stats(self) -> dict[str, int]:
         """Entries this worker's segments sent to other workers and took in from them."""
@@ -127,34 +128,49 @@ class WalkService:
                 self.tensors.store.rank, dict(message.ranks), dict(message.peers)
             )
 
-    async def start(self, message: StartWalk) -> None:
-        """Start the walk ``message`` names (after ``begin``); a bad walk ends at once with its
-        error. Cancel-safe (nothing is started when cancelled while fetching inputs)."""
-        sink = _Sink(self, message.id, message.request_id)
+    def start(self, message: StartWalk) -> None:
+        """Start the walk ``message`` names (after ``begin``): at once when every value it
+        carries is here, else once a task of ``serve`` has fetched the handles among them
+        (a hop through the event loop costs a message's transit on these machines). A bad walk
+        ends at once with its error. Never raises."""
+        values = (*message.inputs.values(), *message.persisted.values())
+        if any(isinstance(value, TensorRef) for value in values):
+            assert self._tasks is not None, "start walks while serve runs"
+            self._tasks.start_soon(self._fetch_and_start, message)
+        else:
+            self._launch(message, message.inputs, message.persisted)
+
+    async def _fetch_and_start(self, message: StartWalk) -> None:
+        # Cancel-safe: nothing is started when cancelled while fetching.
         try:
-            plan = self.model.plan(message.walk)
-            segment = self._segment(plan, message.ranks) if message.ranks else None
-            inputs = {
-                PortRef.parse(k, role="walk input"): await self._local(v)
-                for k, v in message.inputs.items()
-            }
-            persisted = {
-                PortRef.parse(k, role="walk input"): await self._local(v)
-                for k, v in message.persisted.items()
-            }
+            inputs = {k: await self._local(v) for k, v in message.inputs.items()}
+            persisted = {k: await self._local(v) for k, v in message.persisted.items()}
         except Exception as exc:
-            self._starting.pop(message.id, None)
-            sink.end({}, exc)
+            self._fail_start(message, exc)
             return
         except BaseException:
             self._starting.pop(message.id, None)
             raise
+        self._launch(message, inputs, persisted)
+
+    def _launch(
+        self, message: StartWalk, inputs: Mapping[str, Any], persisted: Mapping[str, Any]
+    ) -> None:
+        try:
+            plan = self.model.plan(message.walk)
+            segment = self._segment(plan, message.ranks) if message.ranks else None
+            ports = {PortRef.parse(k, role="walk input"): v for k, v in inputs.items()}
+            kept = {PortRef.parse(k, role="walk input"): v for k, v in persisted.items()}
+        except Exception as exc:
+            self._fail_start(message, exc)
+            return
+        sink = _Sink(self, message.id, message.request_id)
         run = self.loop.start_walk(
             plan,
             message.request_id,
-            inputs,
+            ports,
             message.params,
-            persisted,
+            kept,
             sink,
             window=message.window,
             segment=segment,
@@ -162,6 +178,10 @@ class WalkService:
         self.runs[message.id] = run
         for early in self._starting.pop(message.id):
             early()
+
+    def _fail_start(self, message: StartWalk, error: Exception) -> None:
+        self._starting.pop(message.id, None)
+        _Sink(self, message.id, message.request_id).end({}, error)
 
     def _segment(self, plan: WalkPlan, ranks: dict[str, int]) -> Segment:
         """This rank's segment of ``plan`` split by ``ranks`` (worked out once per layout).
@@ -347,13 +367,31 @@ class WalkService:
             finally:
                 self._tasks = None
 
+    def flush(self) -> None:
+        """Send what the walks made since the last message now: the batching loop calls this
+        once a round's walks have run, so their outputs leave without a hop through the event
+        loop first. Not a coroutine.
+
+        Raises:
+            TransportError: the link to the conductor failed (the worker cannot go on).
+        """
+        message = self._take_updates()
+        if message is not None:
+            self.link.send_nowait(message)
+
+    def _take_updates(self) -> WalkUpdates | None:
+        if not (self.events or self._ended or self._errors or self._fed):
+            return None
+        message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
+        self.events, self._ended, self._errors, self._fed = [], [], {}, []
+        return message
+
     async def _send_updates(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.events or self._ended or self._errors or self._fed:
-                message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
-                self.events, self._ended, self._errors, self._fed = [], [], {}, []
+            message = self._take_updates()
+            if message is not None:
                 await self.link.send(message)
             rank = self.tensors.store.rank
             for peer, traffic in self.peers.messages(rank, self.tensors.knows):

@@ -123,6 +123,34 @@ async def test_many_peers_many_messages_in_order(hub: ZmqHub, transport: str) ->
             assert got == [Ping(n) for n in range(50)]
 
 
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_send_nowait_keeps_order_with_awaited_sends_and_carries_large_tensors(
+    hub: ZmqHub, transport: str
+) -> None:
+    with anyio.fail_after(20):
+        server = bind(hub, transport)
+        link = hub.connect(server.endpoint, identity=b"w")
+        big = payload(SHM_TENSOR_BYTES * 2)  # through shared memory over IPC
+        sent = []
+        for n in range(40):
+            message = Ping(n) if n % 5 else StepReply(n, {"x": big})
+            sent.append(message)
+            if n % 2:
+                link.send_nowait(message)
+            else:
+                await link.send(message)
+        for expected in sent:
+            _, got = await server.recv()
+            if isinstance(expected, Ping):
+                assert got == expected
+            else:
+                assert isinstance(got, StepReply) and got.id == expected.id
+                assert torch.equal(got.outputs["x"], big)
+        link.close()
+        with pytest.raises(TransportError, match="closed"):
+            link.send_nowait(Ping())
+
+
 async def test_tcp_port_zero_reports_the_bound_port(hub: ZmqHub) -> None:
     server = hub.bind("tcp://127.0.0.1:0")
     host, port = server.endpoint.rsplit(":", 1)
