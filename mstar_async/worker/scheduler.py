@@ -151,9 +151,10 @@ class ForwardTimer:
     alone comes near it: then a forward may take a decode round and a quarter, so prompts
     always get a share of the engine beside the decodes (on a slow machine a strict bound
     would feed a prompt a few tokens per round and keep the batch from ever filling); without
-    decodes, two. Where decodes are fast, a forward with decodes takes at most two decode
-    rounds, so a long prompt arriving costs running requests less than 3x their inter-token
-    latency, what the estimates miss (up to half again) included.
+    decodes, two. Where decodes are fast, a forward with decodes takes at most a decode round
+    and a half, so a long prompt arriving costs running requests less than 3x their inter-token
+    latency even where a forward runs up to twice its estimate (one forward's own time varies
+    that much on a small shared VM).
     """
 
     def __init__(self, weight: float = 0.25) -> None:
@@ -208,7 +209,7 @@ class ForwardTimer:
         if d is None:
             return bound_s
         if decoding:
-            return max(1.25 * d, min(bound_s, 2 * d))
+            return max(1.25 * d, min(bound_s, 1.5 * d))
         return max(bound_s, 2 * d)
 
     def tokens_within(self, bound_s: float, decoding: bool = False) -> int | None:

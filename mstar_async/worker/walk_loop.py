@@ -175,7 +175,8 @@ class WalkLoop:
         self.slice_s = slice_s
         self._wakeup: asyncio.Future[None] | None = None
         self._in_round = False  # between take() and finish(): engines are not to be touched
-        self._round_done: asyncio.Event | None = None
+        #: Releases asked for during a round, with what their callers wait on.
+        self._releases: list[tuple[str, asyncio.Future[None]]] = []
         self._estimates: dict[tuple[str, ...], float] = {}
         self._thread: ForwardThread | None = forward_thread  # the engines' own, when given
         self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
@@ -309,17 +310,34 @@ class WalkLoop:
             raise
 
     async def release(self, request_id: str) -> None:
-        """The request is over: wait for the round in flight, drop its queued steps, and tell
-        every engine to free what it holds for it. Shielded: a release always completes."""
+        """The request is over: drop its queued steps and tell every engine to free what it
+        holds for it, at once or, while a round is in flight, as soon as that round ends (the
+        loop does it before it takes the next one). Shielded: a release always completes.
+        """
         with anyio.CancelScope(shield=True):
-            while self._in_round:
-                assert self._round_done is not None
-                await self._round_done.wait()
-            for job in self.scheduler.cancel(request_id):
-                self._resume(job, None)
-            self._discard_declined()  # before a sequence is kept past its request
-            self.scheduler.release(request_id)
+            if self._in_round:
+                done = asyncio.get_running_loop().create_future()
+                self._releases.append((request_id, done))
+                await done
+            else:
+                self._release_now(request_id)
         self.kick()
+
+    def _release_now(self, request_id: str) -> None:
+        for job in self.scheduler.cancel(request_id):
+            self._resume(job, None)
+        self._discard_declined()  # before a sequence is kept past its request
+        self.scheduler.release(request_id)
+
+    def _release_waiting(self) -> None:
+        # Between rounds: the loop goes on to the next round without yielding, so a release
+        # waiting for a gap between rounds would wait until the engine went idle.
+        releases, self._releases = self._releases, []
+        for request_id, done in releases:
+            try:
+                self._release_now(request_id)
+            finally:
+                _settle(done, None)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -328,17 +346,20 @@ class WalkLoop:
 
         Cancel-safe: a forward in flight on the forward thread finishes there; the loop stops.
         """
-        self._round_done = asyncio.Event()
         if self._thread is None:
             self._thread = ForwardThread("mstar-forward")
         task_status.started()
         try:
             await self._rounds()
         finally:
+            # Stopping: a forward may still run on the thread, so the engines are left alone;
+            # whoever waits for a release goes on (the engines go with the loop).
+            for _, done in self._releases:
+                _settle(done, None)
+            self._releases.clear()
             self._thread.close()
 
     async def _rounds(self) -> None:
-        assert self._round_done is not None
         slice_start = time.perf_counter()
         while True:
             self.trampoline.run_ready()
@@ -357,17 +378,17 @@ class WalkLoop:
                 continue
             batch = self.scheduler.take()
             self._in_round = True
-            self._round_done.clear()
             try:
                 if await self._forward(batch):
                     slice_start = time.perf_counter()
                 finished = self.scheduler.finish(batch)
             finally:
                 self._in_round = False
-                self._round_done.set()
             self._progress_at = time.monotonic()
             for job, outcome in finished:
                 self._resume(job, outcome)
+            if self._releases:
+                self._release_waiting()
 
     async def _idle(self) -> None:
         waiter = asyncio.get_running_loop().create_future()

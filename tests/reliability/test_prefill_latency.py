@@ -1,12 +1,15 @@
 """A long but valid prompt prefilling beside a running request: the running request's
-inter-token latency stays a small multiple of its unloaded p99 (SmolLM2 on the CPU, in
-process). The aim is 3x the unloaded p99; runs on this 2-core VM measure 2.1-3.8x at the worst
-gap and, in a loaded full suite, 7.7x: one forward's own time varies up to 2x here (a 9-token
-chunk beside a decode took 45 ms or 83 ms), on top of the design's two decode rounds. So the
-test holds what the design decides, the typical gap (its median at most 3.5x the unloaded
-median: chunks sized for two decode rounds), and bounds the worst gap at 12x the unloaded p99,
-and prints the ratios: without chunked prefill the prompt's one forward alone is some 20-30x a
-decode round here."""
+inter-token latency stays within 3x its unloaded p99 (SmolLM2 on the CPU, in process).
+
+The aim compares latency distributions: the p99 of the gaps while the prompt prefills (chunks
+sized to keep a forward beside the decodes near a decode round and a half) against the p99 of
+100 gaps before it. The worst single gap is printed beside it, not held to 3x: one forward's own
+time varies up to 2x on these VMs (the same 2-token chunk beside a decode took 33 or 63 ms), so
+the largest of hundreds of gaps against the largest of 100 measures that variance more than the
+scheduler. Measured here: p99 1.44-1.88x quiet, 1.27x and 1.58x beside a process spinning on
+one of the two cores (whose unloaded p99 grows tenfold, the ratio stays); worst gap 1.3-3.1x.
+Without chunked prefill the prompt's one forward alone is some 20-30x a decode round.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ pytestmark = [
 #: About 800 tokens of SmolLM2: beside a decode a prompt chunk of the int4 model costs ~2.7 ms
 #: a token here, so this takes seconds to prefill.
 LONG_PROMPT = "The history of the city is long and full of turns. " * 66
-UNLOADED = 24  # inter-token gaps measured before the long prompt arrives
+UNLOADED = 100  # inter-token gaps measured before the long prompt arrives
 
 
 async def test_a_long_prompt_keeps_a_running_requests_itl_near_its_unloaded_p99() -> None:
@@ -50,7 +53,7 @@ async def test_a_long_prompt_keeps_a_running_requests_itl_near_its_unloaded_p99(
         window: dict[str, float] = {}
 
         async def running() -> None:
-            async with runtime.generate(prompt="Count", max_tokens=400, ignore_eos=True) as out:
+            async with runtime.generate(prompt="Count", max_tokens=2000, ignore_eos=True) as out:
                 async for item in out:
                     if isinstance(item, TextDelta):
                         stamps.append(time.perf_counter())
@@ -80,17 +83,16 @@ async def test_a_long_prompt_keeps_a_running_requests_itl_near_its_unloaded_p99(
         if a >= window["start"] and b <= window["prefilled"]
     ]
     assert window["prefilled"] - window["start"] > 3 * max(unloaded)  # a long prefill indeed
-    assert len(during) >= 3, "the running request made no tokens while the prompt prefilled"
+    assert len(during) >= 50, f"only {len(during)} tokens of the running request in the prefill"
     p99 = percentile(unloaded, 99)
-    worst, second = (gap / p99 for gap in sorted(during, reverse=True)[:2])
+    during_p99 = percentile(during, 99) / p99
+    worst = max(during) / p99
     typical = percentile(during, 50) / percentile(unloaded, 50)
     print(
-        f"unloaded p99 {p99 * 1000:.1f} ms; during the prefill {worst:.2f}x, then "
-        f"{second:.2f}x; median gap {typical:.2f}x the unloaded median"
+        f"unloaded p99 {p99 * 1000:.1f} ms; during the prefill ({len(during)} gaps) p99 "
+        f"{during_p99:.2f}x, worst gap {worst:.2f}x; median gap {typical:.2f}x the unloaded median"
     )
-    # The worst gap may also hold a descheduling of the loaded machine (full suite runs
-    # measured 7.7x and 9.1x): it is still far below the unchunked prompt's 20-30x.
-    assert typical <= 3.5 and worst <= 12
+    assert during_p99 <= 3 and typical <= 3.5
 
 
 class _FirstForward:

@@ -226,3 +226,37 @@ async def test_engines_are_built_on_the_thread_that_runs_their_forwards() -> Non
         async with runtime.generate(iterations=5) as outputs:
             assert len([item async for item in outputs]) == 5
     assert built == ["mstar-forward"] and set(ran) == {"mstar-forward"}
+
+
+@pytest.mark.parametrize("placement", [None, Placement.single()], ids=["in-process", "worker"])
+async def test_a_request_ends_while_another_keeps_the_engine_busy(
+    placement: Placement | None,
+) -> None:
+    # Forwards of 2 ms run on the forward thread: the loop yields only while one runs, and a
+    # release that waits for the loop to be between rounds must still get its turn (it once
+    # waited until the busy request ended).
+    model = build_model("noop", forward_ms=2.0)
+    async with open_runtime(model, placement=placement) as runtime:
+        busy_running = anyio.Event()
+        short_done = anyio.Event()
+        busy_outputs = 0
+
+        async def busy() -> None:
+            nonlocal busy_outputs
+            async with runtime.generate(iterations=1_000_000) as outputs:
+                async for _ in outputs:
+                    busy_outputs += 1
+                    busy_running.set()
+                    if short_done.is_set():
+                        break
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy)
+            await busy_running.wait()
+            with anyio.fail_after(30):
+                for _ in range(3):
+                    async with runtime.generate(iterations=3) as outputs:
+                        assert [n async for n, _, _ in outputs] == [1, 2, 3]
+            at_end = busy_outputs
+            short_done.set()
+        assert at_end < 1_000_000  # the busy request was still running throughout
