@@ -44,6 +44,9 @@ INLINE_BELOW_S = 250e-6
 #: How long back-to-back inline rounds may hold the event loop before others get a turn.
 SLICE_S = 0.002
 _EMA = 0.2  # weight of the newest forward time in the running estimate
+#: How often outputs leave between inline rounds: a message a round would cost more than such
+#: a round (tens of microseconds each way), one per slice would hold outputs for milliseconds.
+SEND_EVERY_S = 0.0005
 #: How long ``ForwardThread.start`` waits for the thread to take a job (a thread wake-up).
 TAKE_WAIT_S = 0.002
 
@@ -181,10 +184,11 @@ class WalkLoop:
         self._thread: ForwardThread | None = forward_thread  # the engines' own, when given
         self._progress_at = time.monotonic()  # a forward finished, or the idle loop was woken
         self._declined: list[tuple[str, Step]] = []  # steps run ahead to undo (``_decline``)
-        #: Called once the walks a round resumed have run, and before the loop waits for a
-        #: threaded forward: a worker sends what they made from here, one message per round,
-        #: without a hop through the event loop first.
+        #: Called once the walks have run, before the loop waits for a threaded forward or for
+        #: work, and between inline rounds every ``SEND_EVERY_S``: a worker sends what they
+        #: made from here, without a hop through the event loop first.
         self.after_walks: Callable[[], None] | None = None
+        self._sent_at = 0.0
 
     @property
     def walks_running(self) -> int:
@@ -363,19 +367,21 @@ class WalkLoop:
         slice_start = time.perf_counter()
         while True:
             self.trampoline.run_ready()
-            if self.after_walks is not None:
-                self.after_walks()
             if not self.scheduler.has_work:
                 if self.trampoline.later:
                     self.trampoline.run_later()  # what ran ahead for them was withdrawn
                     continue
+                self._send_outputs()
                 await self._idle()
                 slice_start = time.perf_counter()
                 continue
-            if time.perf_counter() - slice_start > self.slice_s:
+            now = time.perf_counter()
+            if now - slice_start > self.slice_s:
                 await asyncio.sleep(0)  # inline rounds have held the loop long enough
                 slice_start = time.perf_counter()
                 continue
+            if now - self._sent_at > SEND_EVERY_S:
+                self._send_outputs()
             batch = self.scheduler.take()
             self._in_round = True
             try:
@@ -422,14 +428,18 @@ class WalkLoop:
             # Walks whose next step is in this forward already (launched ahead) take their
             # last outputs now, off the forward's critical path.
             self.trampoline.run_later()
-            if self.after_walks is not None:
-                self.after_walks()
+            self._send_outputs()
             await running
         else:
             forward()
             self.trampoline.run_later()
         self._estimates[key] = took if estimate is None else estimate + _EMA * (took - estimate)
         return threaded
+
+    def _send_outputs(self) -> None:
+        self._sent_at = time.perf_counter()
+        if self.after_walks is not None:
+            self.after_walks()
 
     def _abandoned(self, tasks: list[Task]) -> None:
         # A cancelled walk's steps leave the queue now, not when its request is released: a

@@ -369,8 +369,9 @@ class WalkService:
 
     def flush(self) -> None:
         """Send what the walks made since the last message now: the batching loop calls this
-        once a round's walks have run, so their outputs leave without a hop through the event
-        loop first. Not a coroutine.
+        before it waits for a threaded forward or for work (and every ``SEND_EVERY_S`` between
+        inline rounds), so outputs leave without a hop through the event loop first. Not a
+        coroutine.
 
         Raises:
             TransportError: the link to the conductor failed (the worker cannot go on).
