@@ -99,3 +99,27 @@ async def test_task_cancel_from_the_host_raises_cancelled_error_and_frees_kv(
             assert elapsed < BUDGET
             assert streams[0].metrics.cancelled
             assert runtime.conductor.active == {}
+
+
+async def test_aclose_frees_kv_within_budget_while_another_request_keeps_decoding(
+    tiny_folder: Path,
+) -> None:
+    # The batching loop goes from round to round without a pause while a request decodes; a
+    # release waiting for a pause between rounds once waited for the other request to end.
+    times = []
+    with one_torch_thread(), anyio.fail_after(50):
+        async with open_runtime(tiny_lm(tiny_folder)) as runtime:
+            async with runtime.generate(**LONG) as busy:
+                await busy.__anext__()
+                for _ in range(3):
+                    outputs = runtime.generate(**LONG)
+                    deltas = [await outputs.__anext__() for _ in range(4)]
+                    assert all(isinstance(d, TextDelta) for d in deltas)
+                    held = _blocks(runtime)
+                    cancelled_at = time.perf_counter()
+                    await outputs.aclose()
+                    times.append(time.perf_counter() - cancelled_at)
+                    assert _blocks(runtime) < held  # released while the other kept decoding
+                    await busy.__anext__()  # and the other goes on
+                assert not busy.metrics.finished
+    assert max(times) < BUDGET, times
