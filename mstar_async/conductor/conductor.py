@@ -192,9 +192,11 @@ class Conductor(TaskGroupOwner):
             stream.context = context
             context.track(stream._outbox)
             async with aclosing(self.model.program(context, **inputs)) as program:
+                outbox = stream._outbox
                 async for item in program:
                     stream.metrics.observe(item)
-                    await stream._outbox.put(item)
+                    if not outbox.try_put(item):
+                        await outbox.put(item)
             if context.spawned:  # (a cancel formats its task's repr: not free)
                 walks.cancel_scope.cancel()  # walks the program left open have nobody to read them
 

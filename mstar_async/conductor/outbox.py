@@ -47,6 +47,17 @@ class Outbox:
         """Whether both ends are closed (for leak checks)."""
         return self.done and self.reader_gone
 
+    def try_put(self, item: Any) -> bool:
+        """Queue ``item`` if there is room (True), without waiting; False when full, or when
+        an end is closed (``put`` then raises what fits).
+
+        Never raises."""
+        if self.reader_gone or self.done or len(self._items) >= self._max:
+            return False
+        self._items.append(item)
+        _wake(self._reader_waiter)
+        return True
+
     async def put(self, item: Any) -> None:
         """Queue ``item``, waiting while the queue is full. Cancel-safe: a cancelled put
         queued nothing.

@@ -108,15 +108,6 @@ class WalkInbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def next(self) -> WalkEvent | None:
-        """The next output, or ``None`` once the walk has ended and every output was read.
-        Cancel-safe: an output is taken only when this returns it."""
-        while not self.events:
-            if self.ended:
-                return None
-            await self.wait()
-        return self.events.popleft()
-
     async def wait(self) -> None:
         """Wait until something arrives (an output or the end)."""
         waiter = asyncio.get_running_loop().create_future()
@@ -220,14 +211,19 @@ class WalkStream:
         Raises:
             MstarError: the walk failed (a step's error, a missing input).
         """
-        self._start()
-        event = await self._inbox.next()
-        if event is not None:
-            assert self._control is not None
-            self._control.ack(1)
-            return event
-        self._finish()
-        raise StopAsyncIteration
+        if self._control is None:
+            self._start()
+        inbox = self._inbox
+        # Cancel-safe: an output is taken only when this returns it.
+        while not inbox.events:
+            if inbox.ended:
+                self._finish()
+                raise StopAsyncIteration
+            await inbox.wait()
+        event = inbox.events.popleft()
+        assert self._control is not None
+        self._control.ack(1)
+        return event
 
     def _finish(self) -> None:
         inbox = self._inbox
