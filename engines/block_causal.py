@@ -302,11 +302,7 @@ class BlockCausalKVEngine:
         pending = self._pending.get(step.request_id)
         if pending is None or pending.step is not step:
             if step.ahead:
-                held = (
-                    self.allocator.num_tokens(step.request_id)
-                    if self.allocator.has(step.request_id)
-                    else 0
-                )
+                held = self.frames_held(step.request_id) * self.tokens_per_frame
                 self._ahead[step.request_id] = (step, held)
             tokens = self.model.embed(step, self.frames_held(step.request_id))
             if tokens.shape[0] == 0 or tokens.shape[0] % self.tokens_per_frame:

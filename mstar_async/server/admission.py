@@ -33,9 +33,14 @@ class Admission:
         self.limit = limit
         self.in_flight = 0
 
+    @property
+    def full(self) -> bool:
+        """Whether ``limit`` requests are in flight (the next is refused)."""
+        return self.in_flight >= self.limit
+
     def try_enter(self) -> Ticket | None:
         """A ticket if fewer than ``limit`` requests are in flight, else None."""
-        if self.in_flight >= self.limit:
+        if self.full:
             return None
         self.in_flight += 1
         return Ticket(self)

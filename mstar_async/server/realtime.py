@@ -170,8 +170,7 @@ def _warmer(served: ServedModel, session_id: str) -> Warm | None:
         return None
 
     async def warm(turn: WarmTurn | None, request_id: str) -> None:
-        admission = served.admission
-        if turn is not None and admission.in_flight >= admission.limit:
+        if turn is not None and served.admission.full:
             return
         inputs: dict[str, Any] = {"session": session_id, "warm": True}
         try:

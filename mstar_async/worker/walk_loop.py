@@ -340,7 +340,9 @@ class WalkLoop:
         for request_id, done in releases:
             try:
                 self._release_now(request_id)
-            finally:
+            except Exception as exc:  # the caller's to raise, as a release made at once would
+                _settle(done, exc)
+            else:
                 _settle(done, None)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -437,8 +439,8 @@ class WalkLoop:
         return threaded
 
     def _send_outputs(self) -> None:
-        self._sent_at = time.perf_counter()
         if self.after_walks is not None:
+            self._sent_at = time.perf_counter()
             self.after_walks()
 
     def _abandoned(self, tasks: list[Task]) -> None:

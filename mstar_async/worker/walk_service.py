@@ -391,9 +391,7 @@ class WalkService:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            message = self._take_updates()
-            if message is not None:
-                await self.link.send(message)
+            self.flush()  # what the batching loop has not sent already
             rank = self.tensors.store.rank
             for peer, traffic in self.peers.messages(rank, self.tensors.knows):
                 try:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mstar_async.realtime.config import SessionConfig
 from mstar_async.realtime.warm import Warmer, WarmTurn
+from mstar_async.server.admission import Admission
 from mstar_async.server.realtime import _warmer
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,6 +54,10 @@ class Model:
         self.gate.set()
         self.gate = anyio.Event()
 
+    def warmer(self, tg: Any) -> Warmer:
+        """A session's warmer whose requests are this model's."""
+        return Warmer(self.warm, tg, self.prompt, "s-warm")
+
 
 async def settle(holds: Any) -> None:
     """Wait (2 s at most) until ``holds()``: the warmer's task runs on the same loop."""
@@ -65,7 +70,7 @@ async def settle(holds: Any) -> None:
 async def test_wishes_made_during_a_warm_coalesce_into_one_more_run() -> None:
     model = Model()
     async with anyio.create_task_group() as tg:
-        warmer = Warmer(model.warm, tg, model.prompt, "s-warm")
+        warmer = model.warmer(tg)
         warmer.want()
         await settle(lambda: model.running == 1)
         for _ in range(3):  # the encoder finished rows, the conversation changed, ...
@@ -87,7 +92,7 @@ async def test_wishes_made_during_a_warm_coalesce_into_one_more_run() -> None:
 async def test_stop_cancels_the_warm_without_waiting_and_keeps_what_it_warmed() -> None:
     model = Model()
     async with anyio.create_task_group() as tg:
-        warmer = Warmer(model.warm, tg, model.prompt, "s-warm")
+        warmer = model.warmer(tg)
         warmer.want()
         await settle(lambda: model.running == 1)
         warmer.want()  # due after it: stopped too
@@ -101,7 +106,7 @@ async def test_stop_cancels_the_warm_without_waiting_and_keeps_what_it_warmed() 
 async def test_discard_drops_what_was_warmed_once_the_warm_has_ended() -> None:
     model = Model()
     async with anyio.create_task_group() as tg:
-        warmer = Warmer(model.warm, tg, model.prompt, "s-warm")
+        warmer = model.warmer(tg)
         warmer.discard()  # nothing warmed yet: nothing to drop
         warmer.want()
         await settle(lambda: model.running == 1)
@@ -121,7 +126,7 @@ async def test_nothing_is_warmed_while_the_session_has_nothing_to_warm() -> None
     model = Model()
     model.turn = None  # a response runs, or no turn is being heard
     async with anyio.create_task_group() as tg:
-        warmer = Warmer(model.warm, tg, model.prompt, "s-warm")
+        warmer = model.warmer(tg)
         warmer.want()
         await settle(lambda: model.asked == 1)
         warmer.discard()  # nothing was warmed: nothing to drop
@@ -141,7 +146,7 @@ def test_at_most_one_request_runs_and_a_discard_ends_with_a_drop(ops: list[str])
     async def run() -> Model:
         model = Model()
         async with anyio.create_task_group() as tg:
-            warmer = Warmer(model.warm, tg, model.prompt, "s-warm")
+            warmer = model.warmer(tg)
             for op in ops:
                 if op == "step":
                     await anyio.lowlevel.checkpoint()
@@ -172,7 +177,9 @@ async def test_the_server_warms_nothing_while_the_model_is_at_its_bound() -> Non
         started.append(inputs)
         raise AssertionError("no request may start")
 
-    admission = SimpleNamespace(in_flight=2, limit=2)
+    admission = Admission(2)
+    tickets = [admission.try_enter() for _ in range(2)]  # the model at its bound
+    assert all(tickets)
     served = SimpleNamespace(
         inputs={"messages", "session", "warm"}, admission=admission, runtime=SimpleNamespace()
     )

@@ -67,9 +67,10 @@ async def _program(request: Any) -> AsyncGenerator[Any, None]:
     yield await request.run("count", n=0)
 
 
-def counting_model(max_iterations: int = 100) -> Model:
+def counting_model(max_iterations: int = 100, until: Callable[[LoopStep], bool] = _stop) -> Model:
+    """One walk, ``count``: a loop of the ``tick`` node, its counter carried, until ``until``."""
     loop = DynamicLoop(
-        "tick", until=_stop, max_iterations=max_iterations, carry={"tick.n": "tick.n"}
+        "tick", until=until, max_iterations=max_iterations, carry={"tick.n": "tick.n"}
     )
     return Model(
         "ticks",
@@ -153,16 +154,7 @@ async def test_a_cancelled_walk_leaves_no_step_behind() -> None:
     engine = Ticker(stateless=True)
     loop = WalkLoop({"e": engine}, inline_below_s=0.0)
     sink = Sink(loop)
-    never = DynamicLoop(
-        "tick", until=lambda s: False, max_iterations=10**6, carry={"tick.n": "tick.n"}
-    )
-    plan = Model(
-        "endless",
-        nodes=[Node("tick", engine="e", inputs=["n"], outputs=["n"])],
-        walks=[Walk("count", never, outputs=["tick.n"])],
-        program=_program,
-        components={"e": lambda: Ticker(stateless=True)},
-    ).plan("count")
+    plan = counting_model(10**6, until=lambda s: False).plan("count")
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run)
         run = loop.start_walk(plan, "r1", {PortRef("tick", "n"): 0}, {}, {}, sink, window=1000)

@@ -13,32 +13,18 @@ import anyio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_async.graph import DynamicLoop, LoopStep, Model, Node, PortRef, Walk
+from mstar_async.graph import LoopStep, PortRef
 from mstar_async.walks.run import WalkRun
 from mstar_async.worker.walk_loop import WalkLoop
-from tests.worker.test_run_ahead import Ticker
+from tests.worker.test_run_ahead import Ticker, counting_model
 
 
 def _stop(step: LoopStep) -> bool:
     return int(step.outputs["tick.n"]) >= int(step.params["stop"])
 
 
-async def _program(request: Any) -> Any:
-    yield await request.run("count", n=0)
-
-
 def _plan(max_iterations: int) -> Any:
-    loop = DynamicLoop(
-        "tick", until=_stop, max_iterations=max_iterations, carry={"tick.n": "tick.n"}
-    )
-    model = Model(
-        "ticks",
-        nodes=[Node("tick", engine="e", inputs=["n"], outputs=["n"])],
-        walks=[Walk("count", loop, outputs=["tick.n"])],
-        program=_program,
-        components={"e": lambda: Ticker(stateless=True)},
-    )
-    return model.plan("count")
+    return counting_model(max_iterations, until=_stop).plan("count")
 
 
 class Reader:

@@ -12,11 +12,15 @@ from typing import Any
 import anyio
 import pytest
 
+from mstar_async.engines import Step
 from mstar_async.graph import Model
 from mstar_async.models import build_model
+from mstar_async.models.noop import NoopEngine
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 from mstar_async.walks.run import OUTPUT_WINDOW
+from mstar_async.worker.scheduler import Job
+from mstar_async.worker.walk_loop import WalkLoop
 from tests.worker.models import build_listener
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -260,3 +264,40 @@ async def test_a_request_ends_while_another_keeps_the_engine_busy(
             at_end = busy_outputs
             short_done.set()
         assert at_end < 1_000_000  # the busy request was still running throughout
+
+
+class _FailingRelease:
+    """The noop engine with 2 ms forwards (run on the forward thread) whose ``release`` of
+    request ``bad`` raises."""
+
+    def __init__(self) -> None:
+        self.inner = NoopEngine(forward_ms=2.0)
+
+    def release(self, request_id: str) -> None:
+        if request_id == "bad":
+            raise RuntimeError("release failed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_release_that_fails_during_a_round_raises_to_its_caller_and_the_loop_goes_on() -> (
+    None
+):
+    loop = WalkLoop({"e": _FailingRelease()}, inline_below_s=0.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run)
+        with anyio.fail_after(10):
+            future = asyncio.get_running_loop().create_future()
+            loop.scheduler.submit(Job("e", Step("bad", "count", {"x": (0, 0, 0)}), future))
+            loop.kick()
+            while not loop._in_round:  # noqa: ASYNC110  (released mid-round: after the round)
+                await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="release failed"):
+                await loop.release("bad")
+            assert (await future)["x"][0] == 1
+            ok = asyncio.get_running_loop().create_future()
+            loop.scheduler.submit(Job("e", Step("good", "count", {"x": (4, 0, 0)}), ok))
+            loop.kick()
+            assert (await ok)["x"][0] == 5  # the loop still runs rounds
+        tg.cancel_scope.cancel()
