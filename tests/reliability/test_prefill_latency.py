@@ -6,9 +6,10 @@ sized to keep a forward beside the decodes near a decode round and a half) again
 100 gaps before it. The worst single gap is printed beside it, not held to 3x: one forward's own
 time varies up to 2x on these VMs (the same 2-token chunk beside a decode took 33 or 63 ms), so
 the largest of hundreds of gaps against the largest of 100 measures that variance more than the
-scheduler. Measured here: p99 1.44-1.88x quiet, 1.27x and 1.58x beside a process spinning on
-one of the two cores (whose unloaded p99 grows tenfold, the ratio stays); worst gap 1.3-3.1x.
-Without chunked prefill the prompt's one forward alone is some 20-30x a decode round.
+scheduler. Measured here: p99 1.44-2.14x quiet, 1.27x and 1.58x beside a process spinning on
+one of the two cores (whose unloaded p99 grows tenfold, the ratio stays); worst gap 1.3-4.4x.
+Without chunked prefill the prompt's one forward would take some 100 decode rounds (it prefills
+in 2.5 s alone, a decode round takes 18-25 ms).
 """
 
 from __future__ import annotations
