@@ -104,6 +104,7 @@ class SpeechConfig:
     seed: int = 10
     systems: tuple[str, ...] = SYSTEMS
     quantize: str | None = None
+    encoders: str = "seeded"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -117,6 +118,8 @@ class SpeechConfig:
             raise ValueError(f"{self.model} runs only {_QWEN_SYSTEMS}: drop {_ORPHEUS_ONLY}")
         if self.quantize is not None and self.model != "orpheus":
             raise ValueError(f"quantize is measured for orpheus only, not {self.model}")
+        if self.encoders != "seeded" and self.model != "qwen3-tts":
+            raise ValueError(f"encoders applies to qwen3-tts only, not {self.model}")
         if not self.concurrency or min((*self.concurrency, self.max_tokens, self.threads)) < 1:
             raise ValueError(f"concurrency, max_tokens and threads must be >= 1: {self}")
 
@@ -739,6 +742,8 @@ async def _open(config: SpeechConfig, stack: AsyncExitStack, progress: Progress)
         pipeline.start()
     progress(f"opening {config.model} ({config.size}); systems: {', '.join(config.systems)}")
     options = lm_options(config.quantize)
+    if config.model == "qwen3-tts":
+        options["encoders"] = config.encoders
     model = build_model(config.model, size=config.size, **options)
     systems.streaming = await stack.enter_async_context(open_runtime(model))
     await _warm(systems.streaming, warm)
@@ -795,11 +800,12 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
 async def _voices(
     config: SpeechConfig, systems: _Systems, prompts: Sequence[str], progress: Progress
 ) -> dict[str, Any]:
-    """qwen3-tts: the cloned-voice rows (``speech_voices``), six requests per kind."""
+    """qwen3-tts: the cloned-voice rows (``speech_voices``), twelve requests per kind (with
+    six, a difference of 15 ms was lost in the noise)."""
     from mstar_async.bench.speech_voices import measure_voices
 
     assert systems.streaming is not None
-    requests = [request_inputs(config, i, prompts) for i in range(6)]
+    requests = [request_inputs(config, i, prompts) for i in range(12)]
     for base in requests:
         base.pop("speaker", None)
     voices = await measure_voices(
@@ -821,7 +827,8 @@ def format_report(report: dict[str, Any]) -> str:
     work, machine = report["workload"], report["machine"]
     lines = [
         f"speech benchmark: {work['model']} {work['size']}, {work['max_tokens']} max tokens, "
-        f"{work['threads']} torch thread(s) per process, {report['seconds']:.0f} s",
+        f"{work['threads']} torch thread(s) per process, {report['seconds']:.0f} s"
+        + (", encoders at the released shapes" if work.get("encoders") == "released" else ""),
         f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs, load average "
         f"{machine['load_average']} -> {machine.get('load_average_end')}",
         "",

@@ -511,6 +511,12 @@ def _add_speech_parser(kinds: Any) -> None:
         choices=("int8", "int4"),
         help="orpheus: every system's LM in this weight form, bfloat16 activations",
     )
+    speech.add_argument(
+        "--encoders",
+        choices=("seeded", "released"),
+        help="qwen3-tts: the voice encoders at the seeded size's shapes (default) or the "
+        "released checkpoints' (what cloning inline costs with real encoders)",
+    )
     speech.add_argument("--plot", type=Path, help="also draw RTF and TTFA to this PNG")
 
 
@@ -524,6 +530,7 @@ def _speech(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any
         max_tokens=args.max_tokens,
         threads=args.threads,
         quantize=args.quantize,
+        encoders=args.encoders,
     )
     report = module.run_speech_sync(config, ProgressLog())
     if args.plot is not None and module.plot_report(report, args.plot):

@@ -92,6 +92,8 @@ def test_config_and_inputs() -> None:
         SpeechConfig(systems=("nonsense",))
     with pytest.raises(ValueError, match="orpheus only"):
         SpeechConfig(model="qwen3-tts", systems=("streaming",), quantize="int8")
+    with pytest.raises(ValueError, match="qwen3-tts only"):
+        SpeechConfig(encoders="released")
     assert lm_options("int4") == {"quantize": "int4", "dtype": "bfloat16"} and not lm_options(None)
 
 

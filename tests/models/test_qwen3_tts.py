@@ -163,3 +163,43 @@ def test_codebook_0_takes_the_repetition_penalty_on_codes_spoken() -> None:
     # Negative logits are multiplied (-1.0 * 1.5 = -1.5 < -1.2), not divided.
     negative = torch.tensor([-1.0, -1.2, -2.0, -3.0, 0.0, -9.0, 0.0, 0.0])
     assert greedy(1.5, [0], row=negative) == 1
+
+
+def test_released_encoders_shape_a_seeded_model_only(tmp_path: Any) -> None:
+    model = build_model("qwen3-tts", size="tiny", encoders="released")
+    cfg = model.components["voice"].args[0].config
+    assert cfg.speaker_encoder.enc_channels == (512, 512, 512, 512, 1536)
+    assert cfg.speaker_encoder.enc_dim == cfg.talker.hidden_size  # its embedding enters the prompt
+    assert cfg.encoder["hidden_size"] == 512 and cfg.encoder["num_hidden_layers"] == 8
+    assert cfg.encoder["num_quantizers"] == cfg.num_code_groups
+    with pytest.raises(ValueError, match="'seeded' or 'released'"):
+        build_model("qwen3-tts", size="tiny", encoders="large")
+    with pytest.raises(ValueError, match="a checkpoint has its own"):
+        build_model("qwen3-tts", path=tmp_path, encoders="released")
+
+
+def test_the_voice_engine_builds_its_encoders_once() -> None:
+    """The weights keep a part only while something holds it: the engine holds its encoders,
+    which were built again (seeded, or read from the checkpoint) for every cloned voice."""
+    import gc
+    from dataclasses import replace
+
+    from mstar_async.models.qwen3_tts.config import SIZES
+    from mstar_async.models.qwen3_tts.model import _voice_engine
+    from mstar_async.models.qwen3_tts.weights import TTSWeights
+
+    weights = TTSWeights(replace(SIZES["tiny"], text_vocab=100), None, torch.float32, "cpu")
+    engine = _voice_engine(weights)
+    built: list[str] = []
+    part = weights._part
+
+    def counting(name: str, build: Any) -> Any:
+        if name not in weights._live:
+            built.append(name)
+        return part(name, build)
+
+    weights._part = counting  # type: ignore[method-assign]
+    for _ in range(3):
+        engine.run_op("encode", [{"pcm": _ref_pcm(), "with_codes": torch.tensor(True)}])
+        gc.collect()
+    assert sorted(built) == ["speaker_encoder", "speech_encoder"]

@@ -1,7 +1,8 @@
 """qwen3-tts keeps a registered voice's shared prompt rows: the layout says which rows every
 request of a voice shares (upstream's in-context prompt adds the reference codes to the text
 row by row, so they end where the request's text begins); a second request of the voice
-computes only the rows after them and speaks exactly the frames it speaks without reuse; under
+computes only the rows after them and speaks exactly the frames it speaks without reuse (and
+the same audio: the decoder's first window continues from its kept state); under
 KV pressure the kept rows are evicted and computed again transparently; ``forget_voice`` drops
 them, and a voice cloned for one request keeps nothing. With the talker replicated over two
 worker processes, each replica keeps its own copy and a delete drops both."""
@@ -24,7 +25,7 @@ from mstar_async.models.qwen3_tts.model import prompt_ids, seeded_config
 from mstar_async.models.qwen3_tts.program import chat_ids, layout_for, voice_handle
 from mstar_async.models.qwen3_tts.prompt import TalkerPrompt, row_keys
 from mstar_async.models.qwen3_tts.voice import VoicePrompt
-from mstar_async.outputs import LatentOutput
+from mstar_async.outputs import AudioChunk, LatentOutput
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
 from mstar_async.worker.pool import WorkerPool
@@ -93,7 +94,10 @@ class Talker:
 
     def __init__(self, runtime: Any) -> None:
         self.engine = runtime.batching.engines["talker"]
+        # The decoder's kept convolution state per voice (its forget op's owner).
+        self.decoder_voices = runtime.batching.engines["decoder"].ops["forget"].__self__
         self.rows = 0
+        self.pcm = torch.zeros(0)
         stack = self.engine.stack
 
         def counting(x: torch.Tensor, attention: Any) -> torch.Tensor:
@@ -109,7 +113,9 @@ class Talker:
         with anyio.fail_after(60):
             inputs = {"text": TEXT, **GREEDY, **inputs}
             async with runtime.generate(return_codes=True, **inputs) as out:
-                frames = [i.latent.tolist() async for i in out if isinstance(i, LatentOutput)]
+                items = [i async for i in out]
+            frames = [i.latent.tolist() for i in items if isinstance(i, LatentOutput)]
+            self.pcm = torch.cat([i.pcm for i in items if isinstance(i, AudioChunk)])
             # Released once what is left is what handles keep (the engines' counts: no event).
             while runtime.batching.kv_blocks_in_use > self.engine.kept_blocks:  # noqa: ASYNC110
                 await anyio.sleep(0.005)
@@ -137,14 +143,19 @@ async def test_a_registered_voice_computes_its_shared_rows_once(tokenizer: ChatT
         shared = _layout(tokenizer, voice, TEXT).voice_rows
         once = VoicePrompt(voice.speaker, voice.codes, voice.transcript)  # no id: no reuse
         plain, rows = await talker.speak(runtime, voice=once)
-        assert talker.engine.handles == {}
+        plain_pcm = talker.pcm
+        assert talker.engine.handles == {} and len(talker.decoder_voices) == 0
         first, first_rows = await talker.speak(runtime, voice=voice)  # computes, then keeps
         assert first == plain and first_rows == rows
         handle = voice_handle(VOICE_ID)
         assert talker.engine.handles == {handle: ("prefix", shared, -(-shared // 16))}
+        # The decoder's first window continued from the state after the reference frames.
+        assert len(talker.decoder_voices) == 1
+        torch.testing.assert_close(talker.pcm, plain_pcm, atol=1e-5, rtol=1e-5)
         for _ in range(2):
             again, again_rows = await talker.speak(runtime, voice=voice)
             assert again == plain and again_rows == rows - shared
+            torch.testing.assert_close(talker.pcm, plain_pcm, atol=1e-5, rtol=1e-5)
         assert talker.engine.reused_tokens == 2 * shared
         # Another text of the voice shares the same rows.
         _, other_rows = await talker.speak(runtime, voice=voice, text="Something else.")
@@ -159,6 +170,7 @@ async def test_a_registered_voice_computes_its_shared_rows_once(tokenizer: ChatT
             async with runtime.generate(text="", forget_voice=VOICE_ID) as out:
                 assert [o async for o in out] == []
         assert talker.engine.handles == {} and runtime.batching.kv_blocks_in_use == 0
+        assert len(talker.decoder_voices) == 0
 
 
 @pytest.mark.anyio

@@ -16,7 +16,8 @@ from its latent width wrap the transformer).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -34,7 +35,14 @@ from mstar_async.models.qwen3_omni.decoder import (
 from mstar_async.models.qwen3_omni.decoder import _Attention as _SelfAttention
 from mstar_async.policies import Chunk
 
-__all__ = ["Code2Wav", "Code2WavConfig", "FrameDecoder", "chunked_decode"]
+__all__ = [
+    "Code2Wav",
+    "Code2WavConfig",
+    "ConvTails",
+    "FrameDecoder",
+    "VoiceTails",
+    "chunked_decode",
+]
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,11 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.dwconv(x).transpose(1, 2))
+        return self.finish(x, self.dwconv(x))
+
+    def finish(self, x: torch.Tensor, convolved: torch.Tensor) -> torch.Tensor:
+        """The block's output given its depthwise convolution's."""
+        h = self.norm(convolved.transpose(1, 2))
         h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
         out: torch.Tensor = x + h.transpose(1, 2)
         return out
@@ -172,7 +184,11 @@ class _ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.conv2(self.act2(self.conv1(self.act1(x))))
+        return self.finish(x, self.conv1(self.act1(x)))
+
+    def finish(self, x: torch.Tensor, convolved: torch.Tensor) -> torch.Tensor:
+        """The unit's output given its first convolution's."""
+        out: torch.Tensor = x + self.conv2(self.act2(convolved))
         return out
 
 
@@ -309,30 +325,80 @@ class FrameDecoder(nn.Module):
         pcm: torch.Tensor = self.unclamped(codes).clamp(-1.0, 1.0)
         return pcm
 
-    def unclamped(self, codes: torch.Tensor) -> torch.Tensor:
-        """The waveform ``forward`` clamps, ``[samples]``: for calibrating seeded weights."""
-        x = self.pre_transformer(self.embed_frames(codes)).T[None]
-        for stage in self.upsample:
-            assert isinstance(stage, nn.ModuleList)
-            for block in stage:
-                x = block(x)
-        for block in self.decoder:
+    def unclamped(self, codes: torch.Tensor, skip: int = 0) -> torch.Tensor:
+        """The waveform ``forward`` clamps, ``[samples]``: for calibrating seeded weights.
+        ``skip`` leading frames go through the transformer only (their audio is not made)."""
+        x = self.pre_transformer(self.embed_frames(codes))[skip:].T[None]
+        for block in self._convolutions():
             x = block(x)
         wave: torch.Tensor = x.reshape(-1)
         return wave
 
+    def _convolutions(self) -> list[nn.Module]:
+        """The layers after the transformer, in order."""
+        stages = [block for stage in self.upsample for block in stage]  # type: ignore[attr-defined]
+        return [*stages, *self.decoder]
+
+    def frames_to_skip(self, context: int) -> int:
+        """How many of a window's ``context`` leading frames the convolutions after the
+        transformer can leave out and still give the new frames' audio exactly: those before
+        the stack's receptive field (about 10 frames at upstream's shapes, against 25 of
+        context). The transformer still attends over all of them."""
+        first = context * self.config.total_upsample
+        for block in reversed(self._convolutions()):
+            first = _earliest_input(block, first)
+        return max(0, min(context, first))
+
+    def conv_tails(self, frames: torch.Tensor) -> ConvTails:
+        """The convolutions' state after decoding frames ``[n, Q]`` from a stream's start:
+        what ``decode_after`` continues from.
+
+        Raises:
+            ValueError: a layer that looks ahead (code2wav's transposed convolutions).
+        """
+        rows = self.pre_transformer(self.embed_frames(frames.T.long())).T[None]
+        tails: ConvTails = {}
+        _stream(self._convolutions(), rows, {}, tails)
+        return tails
+
+    def decode_after(self, frames: torch.Tensor, context: int, tails: ConvTails) -> torch.Tensor:
+        """What ``decode_window(frames, context)`` gives, when ``tails`` is ``conv_tails`` of
+        the first ``context`` frames: their convolutions are not run again, only the
+        transformer sees them. For a stream that always starts with the same frames (a
+        registered voice's reference codes).
+
+        Raises:
+            ValueError: as ``conv_tails``.
+        """
+        rows = self.pre_transformer(self.embed_frames(frames.T.long()))[context:].T[None]
+        wave = _stream(self._convolutions(), rows, tails, {})
+        return wave.reshape(-1).clamp(-1.0, 1.0)
+
     def decode_window(self, frames: torch.Tensor, context: int) -> torch.Tensor:
         """PCM of a window of frames ``[n, Q]`` minus its first ``context`` frames' audio (the
-        cut upstream's ``chunked_decode`` makes)."""
-        pcm: torch.Tensor = self(frames.T.long())
-        return pcm[context * self.config.total_upsample :]
+        cut upstream's ``chunked_decode`` makes); the convolutions run only over the frames
+        the kept audio depends on (``frames_to_skip``).
+
+        Raises:
+            ValueError: frames without ``num_quantizers`` codes.
+        """
+        if frames.dim() != 2 or frames.shape[1] != self.config.num_quantizers:
+            raise ValueError(
+                f"{self.label} expects frames [n, {self.config.num_quantizers}], "
+                f"got {tuple(frames.shape)}"
+            )
+        skip = self.frames_to_skip(context)
+        pcm = self.unclamped(frames.T.long(), skip).clamp(-1.0, 1.0)
+        return pcm[(context - skip) * self.config.total_upsample :]
 
     def decode(
         self,
         codes: Sequence[Chunk],
         prime: Sequence[torch.Tensor] | None = None,
+        voice: Sequence[str] | None = None,
         *,
         left_context: int = 0,
+        voices: VoiceTails | None = None,
     ) -> dict[str, list[torch.Tensor]]:
         """StatelessEngine op: one PCM tensor (float32) per chunk of frames, the audio of its new
         frames; empty for a final chunk that brings none. Look-ahead frames are not decoded:
@@ -341,7 +407,9 @@ class FrameDecoder(nn.Module):
         ``prime`` (per chunk, ``[k, Q]``, possibly empty) are frames heard before the stream,
         a cloned voice's reference codes: a window with less left context than the policy's
         reaches back into them, as upstream decodes reference and generated codes as one
-        sequence, up to ``left_context`` frames in all.
+        sequence, up to ``left_context`` frames in all. ``voice`` (per chunk, a registered
+        voice's key or "") lets the stream's first window continue from the convolution state
+        after the voice's prime, kept in ``voices``, instead of convolving the prime again.
         """
         out = []
         for i, chunk in enumerate(codes):
@@ -356,6 +424,11 @@ class FrameDecoder(nn.Module):
                 want = max(0, left_context - context)
                 extra = before[before.shape[0] - min(want, before.shape[0]) :].long()
                 frames = torch.cat([extra.to(frames.device), frames])
+                key = voice[i] if voice is not None else ""
+                if voices is not None and key and not context and len(extra):
+                    tails = voices.tails(key, extra, self.conv_tails)
+                    out.append(self.decode_after(frames, len(extra), tails).float())
+                    continue
                 context += extra.shape[0]
             out.append(self.decode_window(frames, context).float())
         return {"pcm": out}
@@ -380,6 +453,119 @@ class Code2Wav(FrameDecoder):
         """The mean of each frame's ``Q`` code embeddings (one table, offset per codebook)."""
         rows: torch.Tensor = self.code_embedding(codes + self._offset.to(codes.device)).mean(0)
         return rows
+
+
+#: A decoder's convolution state after some frames: each causal layer's last inputs.
+ConvTails = dict[nn.Module, torch.Tensor]
+
+
+class VoiceTails:
+    """The decoder's convolution state after each registered voice's prime frames, made on
+    a voice's first request and reused by its later ones; at most ``limit`` voices, the least
+    recently used dropped first. Not thread-safe: one engine's forwards run one at a time."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._held: OrderedDict[str, tuple[torch.Tensor, ConvTails]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def tails(
+        self, key: str, frames: torch.Tensor, make: Callable[[torch.Tensor], ConvTails]
+    ) -> ConvTails:
+        """The state after ``frames`` for voice ``key``: kept, or ``make(frames)`` kept now
+        (also when the voice's frames differ from those kept)."""
+        held = self._held.get(key)
+        if held is not None and torch.equal(held[0], frames):
+            self._held.move_to_end(key)
+            return held[1]
+        tails = make(frames)
+        self._held[key] = (frames.clone(), tails)
+        self._held.move_to_end(key)
+        while len(self._held) > self.limit:
+            self._held.popitem(last=False)
+        return tails
+
+    def forget(self, handle: Sequence[str]) -> dict[str, list[bool]]:
+        """StatelessEngine op: drop each voice's state; whether it was kept."""
+        return {"dropped": [self._held.pop(key, None) is not None for key in handle]}
+
+
+def _joined(
+    layer: nn.Module,
+    width: int,
+    x: torch.Tensor,
+    past: Mapping[nn.Module, torch.Tensor],
+    tails: ConvTails,
+) -> torch.Tensor:
+    """``x`` after ``layer``'s last ``width`` inputs in ``past`` (zeros: a stream's start);
+    its own last ``width`` go into ``tails``."""
+    before = past.get(layer)
+    if before is None:
+        before = x.new_zeros(*x.shape[:-1], width)
+    joined = torch.cat([before, x], -1)
+    tails[layer] = joined[..., joined.shape[-1] - width :]
+    return joined
+
+
+def _stream(
+    module: nn.Module | list[nn.Module],
+    x: torch.Tensor,
+    past: Mapping[nn.Module, torch.Tensor],
+    tails: ConvTails,
+) -> torch.Tensor:
+    """``module``'s output for inputs ``x`` that follow those ``past`` saw, as if one input.
+
+    Raises:
+        ValueError: a layer that looks ahead or is not known here.
+    """
+    if isinstance(module, (list, nn.ModuleList)):
+        for layer in module:
+            x = _stream(layer, x, past, tails)
+        return x
+    out: torch.Tensor
+    if isinstance(module, CausalConv) and module.stride == 1:
+        joined = _joined(module, module.padding, x, past, tails) if module.padding else x
+        out = module.conv(joined)
+    elif isinstance(module, CausalTransConv) and not module.left:
+        stride, kernel = module.conv.stride[0], module.conv.kernel_size[0]
+        width = -(-(kernel - stride) // stride)  # earlier inputs whose outputs overlap ours
+        joined = _joined(module, width, x, past, tails) if width else x
+        out = module(joined)[..., width * stride :]
+    elif isinstance(module, ConvNeXtBlock):
+        out = module.finish(x, _stream(module.dwconv, x, past, tails))
+    elif isinstance(module, _ResidualUnit):
+        out = module.finish(x, _stream(module.conv1, module.act1(x), past, tails))
+    elif isinstance(module, _DecoderBlock):
+        out = _stream(module.block, x, past, tails)
+    elif isinstance(module, SnakeBeta):
+        out = module(x)
+    else:
+        raise ValueError(f"a stream cannot continue through {type(module).__name__}")
+    return out
+
+
+def _earliest_input(module: nn.Module, first: int) -> int:
+    """The earliest input position ``module``'s outputs from ``first`` on depend on (inputs
+    and outputs indexed from the window's start; a module not known here needs all)."""
+    if isinstance(module, CausalConv):
+        return first - module.padding if module.stride == 1 else 0
+    if isinstance(module, CausalTransConv):
+        # Raw output j sums inputs t with t * stride <= j <= t * stride + kernel - 1.
+        stride, kernel = module.conv.stride[0], module.conv.kernel_size[0]
+        return (first + module.left - kernel) // stride + 1
+    if isinstance(module, ConvNeXtBlock):
+        return _earliest_input(module.dwconv, first)
+    if isinstance(module, _ResidualUnit):
+        return _earliest_input(module.conv1, _earliest_input(module.conv2, first))
+    if isinstance(module, _DecoderBlock):
+        for unit in reversed(module.block):
+            first = _earliest_input(unit, first)
+        return first
+    if isinstance(module, SnakeBeta):
+        return first
+    return 0
 
 
 def chunked_decode(

@@ -13,7 +13,13 @@ from mstar_async.models.qwen3_omni.code2wav import Code2WavConfig
 from mstar_async.models.qwen3_omni.config import codec_ids
 from mstar_async.models.qwen3_omni.decoder import Qwen3Config
 
-__all__ = ["SIZES", "SpeakerEncoderConfig", "SpeechDecoderConfig", "TTSConfig"]
+__all__ = [
+    "SIZES",
+    "SpeakerEncoderConfig",
+    "SpeechDecoderConfig",
+    "TTSConfig",
+    "with_released_encoders",
+]
 
 SAMPLE_RATE = 24_000
 #: PCM samples per codec frame of the 12 Hz tokenizer (12.5 frames a second at 24 kHz).
@@ -184,6 +190,35 @@ def tiny_mimi(codebook: int, groups: int) -> dict[str, Any]:
         "use_cache": False,
         "_valid_quantizers": groups,
     }
+
+
+#: The released tokenizer encoder's widths (``MimiModel``'s: a 64-filter SEANet, an 8-layer
+#: 512-wide transformer, 256-wide quantizer vectors), over ``tiny_mimi``'s strides.
+_RELEASED_MIMI: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_filters": 64,
+    "codebook_dim": 256,
+    "vector_quantization_hidden_dimension": 256,
+    "upsample_groups": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+
+
+def with_released_encoders(cfg: TTSConfig) -> TTSConfig:
+    """``cfg`` with both encoders at the released checkpoints' shapes (ECAPA-TDNN of 512
+    channels, the Mimi encoder's widths), their outputs sized to ``cfg``'s talker: what
+    cloning a voice costs with real encoders, for the seeded sizes whose own encoders are
+    narrow (seeded weights; ``mstar bench speech --encoders released``)."""
+    codebook, groups = cfg.codebook_size, cfg.num_code_groups
+    return replace(
+        cfg,
+        speaker_encoder=SpeakerEncoderConfig(enc_dim=cfg.talker.hidden_size),
+        encoder={**tiny_mimi(codebook, groups), **_RELEASED_MIMI},
+    )
 
 
 def _sized(

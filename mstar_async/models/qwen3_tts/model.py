@@ -13,11 +13,13 @@ Graph (engines in brackets)::
 Walks: ``encode_voice`` (the two encoders, once per cloned voice), ``prefill`` (the talker's
 prompt: named speaker, instruction, or a cloned voice's embedding and reference codes; a
 registered voice's leading rows are computed once per talker rank and kept, evictable, under a
-handle of the voice), ``speak`` (frames and decoding, pipelined) and ``forget_voice`` (drop a
-deleted voice's handle; run on every talker replica). The decoder's windows are upstream's
-``chunked_decode`` windows (25 frames of left context) at a streaming chunk size; for a voice
-cloned in context the first windows reach back into the reference codes, which upstream
-decodes in front of the generated ones.
+handle of the voice), ``speak`` (frames and decoding, pipelined) and ``forget_voice`` (drop
+what a deleted voice left kept, the talker's rows and the decoder's state, on every replica).
+The decoder's windows are upstream's ``chunked_decode`` windows (25 frames of left context)
+at a streaming chunk size; for a voice cloned in context the first windows reach back into
+the reference codes, which upstream decodes in front of the generated ones (a registered
+voice's first window continues from the convolutions' state after them, kept per decoder
+rank).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from mstar_async.graph import (
     Edge,
     Model,
     Node,
+    Parallel,
     Sequential,
     Walk,
     stream,
 )
 from mstar_async.models.checkpoints import ChatTokenizer, read_config, smollm2_folder
 from mstar_async.models.dtypes import DTYPES
+from mstar_async.models.qwen3_omni.code2wav import VoiceTails
 from mstar_async.models.qwen3_omni.embeds_engine import EmbedsKVEngine
 from mstar_async.models.qwen3_omni.frame_loop import (
     frame_edges,
@@ -51,7 +55,12 @@ from mstar_async.models.qwen3_omni.frame_loop import (
     stack_engine,
 )
 from mstar_async.models.qwen3_omni.talker import predictor_ops
-from mstar_async.models.qwen3_tts.config import SAMPLE_RATE, SIZES, TTSConfig
+from mstar_async.models.qwen3_tts.config import (
+    SAMPLE_RATE,
+    SIZES,
+    TTSConfig,
+    with_released_encoders,
+)
 from mstar_async.models.qwen3_tts.program import make_program
 from mstar_async.models.qwen3_tts.prompt import PromptIds
 from mstar_async.models.qwen3_tts.talker import TalkerIds, talker_ops
@@ -101,21 +110,27 @@ def _predictor_engine(weights: TTSWeights, kv: int) -> EmbedsKVEngine:
 
 def _decoder_engine(weights: TTSWeights, left_context: int) -> StatelessEngine:
     decoder = weights.speech_decoder()
-    return StatelessEngine(
-        {"decode": functools.partial(decoder.decode, left_context=left_context)},
-        device=weights.device,
-    )
+    # Per decoder rank, like the talker's kept prompt rows: a registered voice's first window
+    # continues from the convolutions' state after its reference frames.
+    voices = VoiceTails()
+    decode = functools.partial(decoder.decode, left_context=left_context, voices=voices)
+    return StatelessEngine({"decode": decode, "forget": voices.forget}, device=weights.device)
 
 
 def _voice_engine(weights: TTSWeights) -> StatelessEngine:
+    # Held for the engine's life: the weights keep a part only while someone holds it, and
+    # building the encoders again for every cloned voice cost more than running them.
+    speaker_encoder = functools.cache(weights.speaker_encoder)
+    speech_encoder = functools.cache(weights.speech_encoder)
+
     def encode(
         pcm: Sequence[torch.Tensor], with_codes: Sequence[bool] | torch.Tensor
     ) -> dict[str, list[torch.Tensor]]:
         # The codec encoder runs only for voices cloned in context (x-vector voices skip it).
-        speaker = weights.speaker_encoder()
+        speaker = speaker_encoder()
         groups = weights.config.num_code_groups
         codes = [
-            weights.speech_encoder().encode(p.float().reshape(-1))
+            speech_encoder().encode(p.float().reshape(-1))
             if bool(want)
             else torch.zeros(0, groups, dtype=torch.long)
             for p, want in zip(pcm, with_codes, strict=True)
@@ -154,7 +169,16 @@ def _nodes() -> list[Node]:
             inputs=["code", "codes", "trailing", "history"],
             outputs=["frame", "code", "context", "history"],
         ),
-        Node("decoder", engine="decoder", op="decode", inputs=["codes", "prime"], outputs=["pcm"]),
+        Node(
+            "decoder",
+            engine="decoder",
+            op="decode",
+            inputs=["codes", "prime", "voice"],
+            outputs=["pcm"],
+        ),
+        Node(
+            "decoder_forget", engine="decoder", op="forget", inputs=["handle"], outputs=["dropped"]
+        ),
     ]
 
 
@@ -180,7 +204,11 @@ def _walks(cfg: TTSConfig, max_iterations: int) -> list[Walk]:
             outputs=["voice_encoder.speaker", "voice_encoder.codes"],
         ),
         Walk("prefill", "talker_prefill", outputs=["talker_prefill.code"]),
-        Walk("forget_voice", "talker_forget", outputs=["talker_forget.dropped"]),
+        Walk(
+            "forget_voice",
+            Parallel("talker_forget", "decoder_forget"),
+            outputs=["talker_forget.dropped", "decoder_forget.dropped"],
+        ),
         Walk("speak", Sequential(frames, "decoder"), outputs=["talker.frame", "decoder.pcm"]),
     ]
 
@@ -227,24 +255,34 @@ def build_qwen3_tts(
     max_iterations: int = 4096,
     chunk: int = CHUNK,
     left_context: int = LEFT_CONTEXT,
+    encoders: str = "seeded",
 ) -> Model:
     """Build the model: seeded weights of ``size`` (``tiny`` or ``small``) over the SmolLM2
     tokenizer, or, with ``path``, a Qwen3-TTS checkpoint folder (``config.json``, tokenizer,
     ``model.safetensors``, ``speech_tokenizer/{config.json,model.safetensors}``). The
     tokenizer loads here; weights when the engines are built on their worker.
+    ``encoders="released"`` gives a seeded model the released encoders' shapes
+    (``with_released_encoders``).
 
     Raises:
-        ValueError: an unknown ``size`` or ``dtype``; ``chunk`` below 1.
+        ValueError: an unknown ``size``, ``dtype`` or ``encoders``; ``chunk`` below 1;
+            ``encoders="released"`` with a checkpoint (it has its own).
         CheckpointError: the folder lacks a file it needs.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if chunk < 1 or left_context < 0:
         raise ValueError(f"chunk must be >= 1 and left_context >= 0, got {chunk}, {left_context}")
+    if encoders not in ("seeded", "released"):
+        raise ValueError(f"encoders must be 'seeded' or 'released', got {encoders!r}")
     folder = Path(path) if path is not None else None
+    if folder is not None and encoders != "seeded":
+        raise ValueError("encoders='released' shapes a seeded model; a checkpoint has its own")
     if folder is None:
         tokenizer = ChatTokenizer.from_folder(smollm2_folder())
         cfg = seeded_config(size, seed, tokenizer)
+        if encoders == "released":
+            cfg = with_released_encoders(cfg)
     else:
         tokenizer = ChatTokenizer.from_folder(folder)
         cfg = TTSConfig.from_hf(read_config(folder), read_config(folder / "speech_tokenizer"))

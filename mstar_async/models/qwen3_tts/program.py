@@ -11,8 +11,9 @@ A registered voice (one with an ``id``) keeps the KV of the prompt rows every re
 shares (``TalkerPrompt.voice_rows``) under ``voice_handle(id)`` on the talker's rank: the
 first request there computes them, later ones fork them and compute only the rest; evictable,
 so under memory pressure they go (least recently used first) and the next request computes
-them again. ``forget_voice=<id>`` drops them on every talker replica (the voice registry's
-delete).
+them again. The decoder keeps, per rank, its convolutions' state after the voice's reference
+frames for the first window. ``forget_voice=<id>`` drops both on every replica (the voice
+registry's delete).
 
 Sampling is upstream's: ``temperature`` / ``top_k`` / ``top_p`` and ``repetition_penalty``
 (over the codebook-0 codes of the frames spoken so far) for the talker, ``subtalker_*`` for
@@ -233,6 +234,7 @@ def make_program(
             sampling=predictor_sampling,
             trailing=prompt.trailing,
             prime=prime,
+            voice=handle or "",
         ) as events:
             async for event in events:
                 if event.port == "decoder.pcm":
