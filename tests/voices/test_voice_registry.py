@@ -108,12 +108,16 @@ async def test_registered_voice_speaks_and_100_cycles_leave_nothing(tmp_path: Pa
                 items = [i async for i in out]
             assert sum(i.pcm.numel() for i in items if isinstance(i, AudioChunk)) == 6 * 1920
             await _kept(runtime, engines[0], {f"voice:{record.id}"})
+            # The decoder's state after the voice's reference codes, for its first windows.
+            decoder_voices = runtime.batching.engines["decoder"].ops["forget"].__self__
+            assert len(decoder_voices) == 1
             with pytest.raises(VoiceLimitError, match="lasts 3.0 s"):
                 await runtime.register_voice(_pcm(3.0), name="long")
             with pytest.raises(VoiceError, match="give the voice a name"):
                 await runtime.register_voice(_pcm(1.0), name=" ")
             await runtime.delete_voice(record.id)
             assert engines[0].handles == {}  # the voice's kept KV went with it
+            assert len(decoder_voices) == 0  # and the decoder's state
             for i in range(100):
                 made = await runtime.register_voice(_pcm(0.2), name=f"v{i}")
                 assert made.frames == 0  # no transcript: the speaker embedding alone
