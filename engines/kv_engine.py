@@ -173,8 +173,9 @@ class KVCacheEngine(KeptKV):
     others make progress; one that could never fit, or the newest of requests that all wait on
     each other, fails alone with ``KVCacheFull``. Before a step waits, prefix handles are evicted
     least recently used first (a hit or a creation is a use) until it fits; an evicted handle's
-    blocks still shared with live forks stay until those end. ``compile`` wraps the model's
-    forward in ``torch.compile`` (a backend name, or True for the default); off by default.
+    blocks still shared with live forks stay until those end. ``compile`` runs the model
+    through ``torch.compile`` (a backend name, or True for inductor): the model's own
+    ``compile_layers`` where it has one, else its whole forward; off by default.
 
     Raises:
         ValueError: neither or both of ``kv_cache_bytes`` and ``num_blocks`` are given.
@@ -213,7 +214,7 @@ class KVCacheEngine(KeptKV):
         )
         self.backend = select_attention_backend(self.device, spec, prefer=backend)  # type: ignore[arg-type]
         self.model = model
-        self._forward = _maybe_compile(model.forward, compile)
+        self._forward = _maybe_compile(model, compile)
         self._sequences: dict[Hashable, SeqState] = {}
         self._branches: dict[str, set[Hashable]] = {}  # request -> its forked/named sequences
         self._handles = HandleStore(self.allocator)
@@ -827,8 +828,13 @@ def _name(key: Hashable) -> str:
     return str(key[1]) if isinstance(key, tuple) else "main"
 
 
-def _maybe_compile(fn: Any, compile: bool | str) -> Any:
+def _maybe_compile(model: Any, compile: bool | str) -> Any:
+    """The forward to run: ``model.forward``, compiled as the model knows how (its
+    ``compile_layers``) or whole."""
     if not compile:
-        return fn
+        return model.forward
     backend = compile if isinstance(compile, str) else "inductor"
-    return torch.compile(fn, backend=backend, dynamic=True)
+    if hasattr(model, "compile_layers"):
+        model.compile_layers(backend)
+        return model.forward
+    return torch.compile(model.forward, backend=backend, dynamic=True)

@@ -100,6 +100,7 @@ __all__ = [
     "Measurement",
     "Prompt",
     "RuntimeSystem",
+    "TransformersSystem",
     "build_prompts",
     "check_tokens",
     "configure",
@@ -110,6 +111,7 @@ __all__ = [
     "preset",
     "run_decode",
     "run_decode_sync",
+    "transformers_model",
 ]
 
 Progress = Callable[[str], None]
@@ -661,7 +663,7 @@ def _tokens_of(results: Sequence[StepResult], op: str) -> list[torch.Tensor]:
     return tokens
 
 
-def _transformers_model(folder: Path, dtype: torch.dtype) -> Any:
+def transformers_model(folder: Path, dtype: torch.dtype) -> Any:
     """The checkpoint as ``AutoModelForCausalLM``, in eval mode.
 
     Raises:
@@ -678,7 +680,7 @@ def _transformers_model(folder: Path, dtype: torch.dtype) -> Any:
     return loaded.eval()
 
 
-class _TransformersSystem:
+class TransformersSystem:
     """``transformers`` greedy ``generate``: one request after another, or (``static``) the
     N prompts as one batch."""
 
@@ -809,7 +811,7 @@ def check_tokens(measurement: Measurement) -> Measurement:
     return measurement
 
 
-_System = RuntimeSystem | _OneWorkerSystem | _HandLoopSystem | _TransformersSystem
+_System = RuntimeSystem | _OneWorkerSystem | _HandLoopSystem | TransformersSystem
 
 
 async def measure(
@@ -831,7 +833,7 @@ async def measure(
     before: CpuSample = cpu_sample(children)
     if isinstance(system, RuntimeSystem | _OneWorkerSystem):
         measurement = await system.measure(prompts, new_tokens)
-    elif isinstance(system, _TransformersSystem):
+    elif isinstance(system, TransformersSystem):
         # The baselines compute on a worker thread, as the runtime's engine does, so every
         # system runs under the same conditions (thread, OpenMP team, allocator arena).
         run = functools.partial(system.measure, prompts, new_tokens, transformers_requests)
@@ -885,7 +887,7 @@ async def _open_systems(
         folder, dtype, max(config.concurrency), config.prompt_tokens + config.new_tokens
     )
     progress(f"{dtype}: loading transformers model")
-    reference = _transformers_model(folder, _TORCH_DTYPES[dtype])
+    reference = transformers_model(folder, _TORCH_DTYPES[dtype])
     eos = sorted(tokenizer.eos_token_ids)
     progress(f"{dtype}: building the hand-loop engine")
     # Built on a worker thread, exactly as open_runtime builds the runtime's engine.
@@ -912,8 +914,8 @@ async def _open_systems(
             "one-worker": _OneWorkerSystem(worker),
             "runtime": RuntimeSystem(runtime),
             "handloop": hand,
-            "transformers": _TransformersSystem(reference, eos, static=False),
-            "transformers-static": _TransformersSystem(reference, eos, static=True),
+            "transformers": TransformersSystem(reference, eos, static=False),
+            "transformers-static": TransformersSystem(reference, eos, static=True),
         }
 
 

@@ -45,10 +45,12 @@ from mstar_async.bench.decode import (
     Progress,
     Prompt,
     RuntimeSystem,
+    TransformersSystem,
     build_prompts,
     contamination,
     kv_cache_bytes_for,
     measure,
+    transformers_model,
 )
 from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.engines.kv_engine import KVCacheEngine
@@ -304,6 +306,35 @@ async def _throughput(
     return results
 
 
+async def _transformers_baseline(
+    config: FormsConfig, folder: Path, prompt: Prompt, eos: Sequence[int], progress: Progress
+) -> dict[str, Any]:
+    """transformers' greedy ``generate`` on one request, in bfloat16 and float32 (its faster
+    dtype is the baseline): ``repeat`` measurements each, after the forms' (its model's
+    OpenMP team on a worker thread would slow the runtimes measured after it).
+
+    Raises:
+        BenchmarkError: transformers is not installed, or a wrong token count.
+    """
+    out: dict[str, Any] = {}
+    for dtype in ("bfloat16", "float32"):
+        system = TransformersSystem(
+            transformers_model(folder, getattr(torch, dtype)), eos, static=False
+        )
+        await measure(system, [prompt], config.warmup_tokens, None)
+        speeds = []
+        for rep in range(config.repeat):
+            m = await measure(system, [prompt], config.new_tokens, None)
+            speeds.append(m.tokens_per_s)
+            progress(
+                f"N=1 transformers {dtype} {rep + 1}/{config.repeat}: {m.tokens_per_s:.1f} tok/s"
+            )
+        out[dtype] = summarize(speeds).to_json()
+        del system
+        gc.collect()
+    return out
+
+
 def _throughput_json(
     forms: Sequence[Form], rounds: Sequence[dict[str, Measurement]], discarded: int, limit: float
 ) -> dict[str, Any]:
@@ -339,7 +370,10 @@ def _throughput_json(
 
 
 def _aims(
-    results: Sequence[dict[str, Any]], throughput: dict[str, Any], embedded: bool
+    results: Sequence[dict[str, Any]],
+    throughput: dict[str, Any],
+    embedded: bool,
+    baseline: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     by_name = {r["form"]: r for r in results}
     aims: list[dict[str, Any]] = []
@@ -379,6 +413,18 @@ def _aims(
             concurrency=1,
         )
     )
+    best = None if not baseline else max(b["median"] for b in baseline.values())
+    ratio = None if chosen is None or not best else chosen["tokens_per_s"]["median"] / best
+    aims.append(
+        aim_entry(
+            f"SmolLM2 in its default form ({default}) >= 3x transformers' generate at N=1 "
+            "(its faster dtype)",
+            3.0,
+            None if ratio is None else round(ratio, 3),
+            form=default,
+            concurrency=1,
+        )
+    )
     return aims
 
 
@@ -406,6 +452,10 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
     # and slow the runtimes measured after them (see ``_open_form``).
     prompts = build_prompts(tokenizer, max(config.concurrency), config.prompt_tokens)
     measured = await _throughput(config, folder, forms, prompts, progress)
+    baseline = None
+    if 1 in config.concurrency:
+        eos = sorted(tokenizer.eos_token_ids)
+        baseline = await _transformers_baseline(config, folder, prompts[0], eos, progress)
     inputs = _Inputs(quality.perplexity_ids(tokenizer), quality.agreement_prompts(tokenizer))
     progress(f"quality: {REFERENCE} reference ({len(inputs.perplexity_ids)} perplexity tokens)")
     await anyio.to_thread.run_sync(_reference, folder, embedded, inputs, config.quality_tokens)
@@ -461,6 +511,7 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
                 n: [entry["discarded_repetitions"], entry["contaminated_repetitions"]]
                 for n, entry in throughput.items()
             },
+            "transformers_n1_tokens_per_s": baseline,
         },
         machine=machine,
         systems=[
@@ -475,7 +526,7 @@ async def run_forms(config: FormsConfig, progress: Progress = quiet) -> dict[str
             for form in forms
         ],
         results=results,
-        aims=_aims(results, throughput, embedded),
+        aims=_aims(results, throughput, embedded, baseline),
         seconds=time.perf_counter() - started,
     )
 
@@ -533,6 +584,8 @@ def format_forms_report(report: dict[str, Any]) -> str:
                 f"{_cell(figures['speedup_vs_best_unquantized'], 2, 'x'):>22} vs "
                 f"{figures['best_unquantized']}"
             )
+    for dtype, speed in (work.get("transformers_n1_tokens_per_s") or {}).items():
+        lines.append(f"N=1 transformers generate, {dtype}: {_cell(speed)} tok/s")
     lines += ["", "aims:"]
     for aim in report["aims"]:
         verdict = (

@@ -108,6 +108,11 @@ BUILD_OPTIONS = {
         "FORM",
         "weight form: auto (the embedded SmolLM2's measured default), none, int8, int4",
     ),
+    "compile": (
+        "BACKEND",
+        "torch.compile each layer's work around its attention: inductor (its kernels kept "
+        "under $MSTAR_CACHE/inductor for later starts) or another torch.compile backend",
+    ),
 }
 
 #: How the type of an input's default is named in an error.
@@ -202,7 +207,7 @@ def parse_inputs(model: Model, extra: list[str]) -> dict[str, Any]:
 
 def build_options(entry: ModelEntry, args: argparse.Namespace) -> dict[str, Any]:
     """The builder options ``args`` gives (``--path``, ``--snac-path``, ``--size``,
-    ``--quantize``).
+    ``--quantize``, ``--compile``).
 
     Raises:
         MstarError: the model's builder takes no such option, or a path does not exist.

@@ -10,6 +10,7 @@ detokenizer, so multi-byte characters split across tokens arrive whole.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,9 @@ def build_lm_engine(
     """
     model = load_decoder(folder, dtype=dtype, device=device, quantize=quantize, gguf=gguf)
     if compile:
-        model.fuse()
+        # Compiled kernels outlive the process, so a later start loads them (seconds, not
+        # the cold compile's tens); an explicit TORCHINDUCTOR_CACHE_DIR wins.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
     return KVCacheEngine(
         model,
         model.attention_spec(dtype),
@@ -259,6 +262,9 @@ def build_causal_lm(
     ``quantize`` picks the weight form (``weight_form``): the embedded SmolLM2 reads a
     quantized form's weights straight from its GGUF blocks, a folder's safetensors are
     quantized as they load; activations, the embedding and the norms stay in ``dtype``.
+    ``compile`` (True for inductor, or a backend name) compiles each layer's work around its
+    attention (``PagedDecoder.compile_layers``) on the first forward; inductor's kernels are
+    kept under ``$MSTAR_CACHE/inductor`` for later starts.
 
     Raises:
         CheckpointError: the folder lacks a file it needs (the message names it).

@@ -18,7 +18,7 @@ their state dicts load unchanged (:meth:`PagedDecoder.from_checkpoint`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +63,10 @@ QUANTIZED_HEAD_MAX_ROWS = 4
 # Keys older checkpoints saved for a buffer that is recomputed, never learned; Hugging Face
 # skips them on load, and so do we.
 _IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+#: A layer's work on one side of its attention call (see ``PagedDecoder.compile_layers``).
+Region = Callable[..., Any]
 
 
 class PagedAttention(Protocol):
@@ -470,6 +474,8 @@ class _DecoderLayer(nn.Module):
         # Set by ``use_quantized``: fused projections that replace the float weights.
         self.qkv_proj: nn.Module | None = None
         self.gate_up_proj: nn.Module | None = None
+        # The work before and after the attention call (``PagedDecoder.compile_layers``).
+        self.regions: tuple[Region, Region] = (_before_attention, _after_attention)
 
     def fuse(self) -> None:
         """Lay q/k/v and gate/up out as one matrix each, the upstream parameters becoming views
@@ -521,22 +527,39 @@ class _DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: PagedAttention
     ) -> torch.Tensor:
-        attn = self.self_attn
-        n, d = x.shape[0], attn.head_dim
-        qkv = self._qkv(self.input_layernorm(x))
-        split = self._qk_heads * d
-        qk = rotate(qkv[:, :split].view(n, self._qk_heads, d), cos, sin)
-        q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]
-        out = attention(self.index, q, k, qkv[:, split:].view(n, attn.num_kv_heads, d))
+        before, after = self.regions
+        q, k, v = before(self, x, cos, sin)
+        out = attention(self.index, q, k, v)
         if out.shape != q.shape:
             raise EngineError(
                 f"attention returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             )
-        x = x + attn.o_proj(out.reshape(n, attn.num_heads * d))
-        gate_up = self._gate_up(self.post_attention_layernorm(x))
-        hidden = F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
-        out2: torch.Tensor = x + self.mlp.down_proj(hidden)
-        return out2
+        result: torch.Tensor = after(self, x, out)
+        return result
+
+
+def _before_attention(
+    layer: _DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's q (rotated), k (rotated) and v for its attention."""
+    attn = layer.self_attn
+    n, d = x.shape[0], attn.head_dim
+    qkv = layer._qkv(layer.input_layernorm(x))
+    split = layer._qk_heads * d
+    qk = rotate(qkv[:, :split].view(n, layer._qk_heads, d), cos, sin)
+    v = qkv[:, split:].view(n, attn.num_kv_heads, d)
+    return qk[:, : attn.num_heads], qk[:, attn.num_heads :], v
+
+
+def _after_attention(layer: _DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A layer's output given its input ``x`` and its attention's ``out``."""
+    attn = layer.self_attn
+    n = x.shape[0]
+    x = x + attn.o_proj(out.reshape(n, attn.num_heads * attn.head_dim))
+    gate_up = layer._gate_up(layer.post_attention_layernorm(x))
+    hidden = F.silu(gate_up[:, : layer._intermediate]) * gate_up[:, layer._intermediate :]
+    result: torch.Tensor = x + layer.mlp.down_proj(hidden)
+    return result
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -597,6 +620,20 @@ class PagedDecoder(nn.Module):
         for layer in self.model.layers:
             assert isinstance(layer, _DecoderLayer)
             layer.fuse()
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Run each layer's work before and after its attention call through ``torch.compile``
+        (norms, projections, rotary, residuals and the MLP fused where the backend can): two
+        graphs with dynamic token counts, shared by every layer, so a cold compile takes
+        seconds where the whole step as one graph took many minutes on a small CPU; the
+        attention stays as the engine planned it. Compiles on the first forward.
+        Never raises here; the backend's errors come with that forward."""
+        self.fuse()
+        before = torch.compile(_before_attention, backend=backend, dynamic=True)
+        after = torch.compile(_after_attention, backend=backend, dynamic=True)
+        for layer in self.model.layers:
+            assert isinstance(layer, _DecoderLayer)
+            layer.regions = (before, after)
 
     def _tie(self) -> None:
         if self.config.tie_word_embeddings:
