@@ -14,7 +14,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import structlog
+# structlog imports rich (when installed) for its console renderer's tracebacks, 0.13 s of
+# every process's start here; the renderers used below need none of it. Hidden only while
+# structlog loads, and only when nothing has imported rich yet.
+_HIDE_RICH = "rich" not in sys.modules
+if _HIDE_RICH:
+    sys.modules["rich"] = None  # type: ignore[assignment]
+try:
+    import structlog
+finally:
+    if _HIDE_RICH:
+        del sys.modules["rich"]
 
 _json_output = False
 #: Events dropped while ``muted`` blocks run.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
+from mstar_async.cli.main import entry
 
-from mstar_async.cli.main import main
-
-sys.exit(main())
+entry()

@@ -22,6 +22,30 @@ def test_mstar_help_lists_the_commands() -> None:
     assert "models" in result.stdout and "run" in result.stdout
 
 
+def test_the_program_exits_with_mains_status_and_starts_without_rich() -> None:
+    """``python -m mstar_async.cli`` ends through ``entry`` (status kept, output flushed);
+    logging loads structlog without rich, which it would import for nothing."""
+    ok = subprocess.run(
+        [sys.executable, "-m", "mstar_async.cli", "models"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and "causal-lm" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "mstar_async.cli", "run", "no-such-model"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2, bad.stderr
+    probe = "import sys, mstar_async.logs; print('rich' in sys.modules)"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert loaded.stdout.strip() == "False"
+
+
 def test_mstar_models_lists_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     assert "demo" in capsys.readouterr().out
