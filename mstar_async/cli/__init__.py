@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from mstar_async.cli.main import entry, main
+from mstar_async.cli.main import main
 
-__all__ = ["entry", "main"]
+__all__ = ["main"]

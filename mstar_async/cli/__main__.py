@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from mstar_async.cli.main import entry
+from mstar_async.command import run
 
-entry()
+run()

@@ -6,8 +6,6 @@ The CLI owns its event loop, so it uses uvloop when present."""
 from __future__ import annotations
 
 import argparse
-import gc
-import sys
 from collections.abc import Sequence
 
 from mstar_async.cli.bench import add_bench_parser
@@ -59,21 +57,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     status: int = args.handler(args, extra)
     return status
-
-
-def entry() -> None:
-    """The ``mstar`` program: ``main``, then the process ends with its status.
-
-    Raises:
-        SystemExit: always, with the status.
-    """
-    status = main()
-    # Ending the interpreter collects every object torch and the model left behind: 0.5 s of
-    # a 3 s command on a 2-core machine. Frozen, they are skipped; the process ends anyway,
-    # and the standard streams are still flushed.
-    gc.freeze()
-    sys.exit(status)
-
-
-if __name__ == "__main__":
-    entry()

@@ -23,8 +23,9 @@ def test_mstar_help_lists_the_commands() -> None:
 
 
 def test_the_program_exits_with_mains_status_and_starts_without_rich() -> None:
-    """``python -m mstar_async.cli`` ends through ``entry`` (status kept, output flushed);
-    logging loads structlog without rich, which it would import for nothing."""
+    """``python -m mstar_async.cli`` ends through ``mstar_async.command.run``, as the console
+    script does (status kept, output flushed); logging loads structlog without rich, which it
+    would import for nothing."""
     ok = subprocess.run(
         [sys.executable, "-m", "mstar_async.cli", "models"],
         capture_output=True,
