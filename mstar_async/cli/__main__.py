@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from mstar_async.command import run
+from mstar_async.command import start
 
-run()
+start("mstar")

@@ -132,8 +132,9 @@ class _ProcessHandle:
 
 
 class LocalLauncher:
-    """Each worker is ``python -m mstar_async.worker.main``, a child process of this one, with
-    its configuration in the environment variable ``MSTAR_WORKER_CONFIG``.
+    """Each worker is ``python -m mstar_async.command worker`` (``mstar_async.worker.main``),
+    a child process of this one, with its configuration in the environment variable
+    ``MSTAR_WORKER_CONFIG``.
 
     With ``endpoint_host`` (e.g. ``"127.0.0.1"``) workers reach the pool over TCP at that
     address instead of IPC; the workers are still local, so this only exercises the TCP path.
@@ -158,7 +159,7 @@ class LocalLauncher:
         """
         env = {**os.environ, CONFIG_VARIABLE: config.to_json()}
         process = await anyio.open_process(
-            [sys.executable, "-m", "mstar_async.worker.main"],
+            [sys.executable, "-m", "mstar_async.command", "worker"],
             stdin=None,
             stdout=None,
             stderr=None,

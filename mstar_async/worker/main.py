@@ -1,5 +1,6 @@
-"""The worker process: ``python -m mstar_async.worker.main`` with its configuration in the
-environment variable ``MSTAR_WORKER_CONFIG`` (JSON, written by ``WorkerPool``).
+"""The worker process: ``python -m mstar_async.command worker`` (this module's ``main``, see
+``mstar_async.command``) with its configuration in the environment variable
+``MSTAR_WORKER_CONFIG`` (JSON, written by ``WorkerPool``).
 
 It rebuilds the model from its source, builds the engines its rank runs, connects to the
 conductor, says ``Hello``, and serves steps through its own batching loop until told to shut
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,4 +209,6 @@ def run_worker(config: WorkerConfig) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mstar_async.command import start
+
+    start("worker")

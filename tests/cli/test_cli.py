@@ -40,6 +40,15 @@ def test_the_program_exits_with_mains_status_and_starts_without_rich() -> None:
         timeout=60,
     )
     assert bad.returncode == 2, bad.stderr
+    unknown = subprocess.run(
+        [sys.executable, "-m", "mstar_async.command", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        unknown.returncode == 1 and "no program 'nope'; programs: mstar, worker" in unknown.stderr
+    )
     probe = "import sys, mstar_async.logs; print('rich' in sys.modules)"
     loaded = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
