@@ -66,20 +66,16 @@ class Outbox:
             anyio.BrokenResourceError: the reader has gone.
             anyio.ClosedResourceError: the producer already closed.
         """
-        while True:
+        while not self.try_put(item):
             if self.reader_gone:
                 raise anyio.BrokenResourceError
             if self.done:
                 raise anyio.ClosedResourceError
-            if len(self._items) < self._max:
-                break
             self._producer_waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._producer_waiter
             finally:
                 self._producer_waiter = None
-        self._items.append(item)
-        _wake(self._reader_waiter)
 
     async def get(self) -> Any:
         """The oldest output, waiting for one. Cancel-safe: an output is taken only when

@@ -206,9 +206,3 @@ def run_worker(config: WorkerConfig) -> int:
     else:
         anyio.run(serve, config, backend_options={"use_uvloop": True})
     return 0
-
-
-if __name__ == "__main__":
-    from mstar_async.command import start
-
-    start("worker")

@@ -376,16 +376,10 @@ class WalkService:
         Raises:
             TransportError: the link to the conductor failed (the worker cannot go on).
         """
-        message = self._take_updates()
-        if message is not None:
+        if self.events or self._ended or self._errors or self._fed:
+            message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
+            self.events, self._ended, self._errors, self._fed = [], [], {}, []
             self.link.send_nowait(message)
-
-    def _take_updates(self) -> WalkUpdates | None:
-        if not (self.events or self._ended or self._errors or self._fed):
-            return None
-        message = WalkUpdates(self.events, self._ended, self._errors, self._fed)
-        self.events, self._ended, self._errors, self._fed = [], [], {}, []
-        return message
 
     async def _send_updates(self) -> None:
         while True:

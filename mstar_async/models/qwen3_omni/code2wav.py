@@ -283,6 +283,10 @@ class FrameDecoder(nn.Module):
     upsample: nn.ModuleList
     decoder: nn.ModuleList
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._skips: dict[int, int] = {}  # ``frames_to_skip`` by context: fixed by the layers
+
     @staticmethod
     def transformer(cfg: Code2WavConfig, latent: int | None = None) -> _PreTransformer:
         """The ``pre_transformer`` (see ``_PreTransformer``)."""
@@ -344,10 +348,13 @@ class FrameDecoder(nn.Module):
         transformer can leave out and still give the new frames' audio exactly: those before
         the stack's receptive field (about 10 frames at upstream's shapes, against 25 of
         context). The transformer still attends over all of them."""
-        first = context * self.config.total_upsample
-        for block in reversed(self._convolutions()):
-            first = _earliest_input(block, first)
-        return max(0, min(context, first))
+        skip = self._skips.get(context)
+        if skip is None:
+            first = context * self.config.total_upsample
+            for block in reversed(self._convolutions()):
+                first = _earliest_input(block, first)
+            skip = self._skips[context] = max(0, min(context, first))
+        return skip
 
     def conv_tails(self, frames: torch.Tensor) -> ConvTails:
         """The convolutions' state after decoding frames ``[n, Q]`` from a stream's start:
