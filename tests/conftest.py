@@ -1,4 +1,10 @@
-"""Shared test setup: every async test runs on the default asyncio loop and on uvloop."""
+"""Shared test setup.
+
+Every async test runs on the default asyncio loop; those marked ``uvloop`` (the transport,
+the conductor, the runtime and the worker processes, where the loop's own machinery is
+exercised) run on uvloop as well. A test that parametrizes ``anyio_backend`` itself keeps
+its own choice.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +19,27 @@ LOOPS = [
 ]
 
 
-@pytest.fixture(params=LOOPS)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
-    return request.param  # type: ignore[no-any-return]
+
+def _parametrizes_loop(metafunc: pytest.Metafunc) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        if "anyio_backend" in (names.split(",") if isinstance(names, str) else names):
+            return True
+    return False
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    # Replaced by pytest_generate_tests' parameter; without params here, anyio's own
+    # fixture's parametrization (every installed backend) does not apply.
+    return LOOPS[0].values[0]  # type: ignore[no-any-return]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "anyio_backend" not in metafunc.fixturenames or _parametrizes_loop(metafunc):
+        return
+    both = metafunc.definition.get_closest_marker("uvloop") is not None
+    metafunc.parametrize("anyio_backend", LOOPS if both else LOOPS[:1])
 
 
 @pytest.fixture(scope="session")
