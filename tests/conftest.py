@@ -1,9 +1,10 @@
 """Shared test setup.
 
-Every async test runs on the default asyncio loop; those marked ``uvloop`` (the transport,
-the conductor, the runtime and the worker processes, where the loop's own machinery is
-exercised) run on uvloop as well. A test that parametrizes ``anyio_backend`` itself keeps
-its own choice.
+Every async test runs on the default asyncio loop. Those of ``UVLOOP_FOLDERS`` (the transport,
+the conductor and the runtime, where the loop's own machinery is exercised: sockets, futures
+woken from threads, cancellation) and those marked ``uvloop`` run on uvloop as well; worker
+processes always run uvloop, whatever the test's loop. A test that parametrizes
+``anyio_backend`` itself keeps its own choice.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+#: Folders under tests/ whose async tests run on both loops.
+UVLOOP_FOLDERS = frozenset({"transport", "conductor", "runtime"})
+
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
 ]
-
 
 
 def _parametrizes_loop(metafunc: pytest.Metafunc) -> bool:
@@ -38,7 +41,8 @@ def anyio_backend() -> tuple[str, dict[str, object]]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "anyio_backend" not in metafunc.fixturenames or _parametrizes_loop(metafunc):
         return
-    both = metafunc.definition.get_closest_marker("uvloop") is not None
+    folder = metafunc.definition.path.parent.name
+    both = folder in UVLOOP_FOLDERS or metafunc.definition.get_closest_marker("uvloop") is not None
     metafunc.parametrize("anyio_backend", LOOPS if both else LOOPS[:1])
 
 

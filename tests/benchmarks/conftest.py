@@ -1,6 +1,11 @@
 """Each benchmark run once per session as a user types it, ``mstar bench NAME --quick --json``
 with options that make it as small as it goes (tiny models, few tokens, one or two
-repetitions); the benchmark's own tests and the report-shape test share these runs."""
+repetitions); the benchmark's own tests and the report-shape test share these runs.
+
+A test that needs a run (a fixture named ``*_run``) is in the ``slow`` set: the README's test
+command leaves them out and ``.ci/run`` runs them after it. Tests of the benchmarks' own
+helpers stay in the default set.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,14 @@ from tests.benchmarks.runs import (
     BenchRun,
     run_bench,
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # tryfirst: before ``-m`` selects by marker.
+    for item in items:
+        if any(name.endswith("_run") for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

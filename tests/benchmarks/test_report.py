@@ -30,6 +30,7 @@ def _report(**changes: Any) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow  # every benchmark's run, fetched by name
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_every_quick_run_has_the_one_shape(name: str, request: pytest.FixtureRequest) -> None:
     run: BenchRun = request.getfixturevalue(f"{name}_run")

@@ -248,6 +248,12 @@ def test_speaker_encoder_matches(ours: TTSConfig, upstream: Any, up: Any) -> Non
     torch.testing.assert_close(speaker_mel(pcm), mel[0].T, atol=1e-4, rtol=1e-4)
 
 
+#: float32 through some forty convolutions whose windows sum in another order than upstream's
+#: (ours convolve only the frames a window's audio depends on): single samples differ by up to
+#: 3e-4 on some CPUs (AVX-512 kernels), where a wrong frame or weight moves them by 1e-2 or more.
+DECODER_TOL = {"atol": 5e-4, "rtol": 1e-3}
+
+
 def test_speech_decoder_matches(ours: TTSConfig, upstream_decoder: Any) -> None:
     decoder = empty_module(lambda: SpeechDecoder(ours.decoder))
     load_upstream(decoder, StateDictSource(upstream_decoder.state_dict()), "")
@@ -255,11 +261,11 @@ def test_speech_decoder_matches(ours: TTSConfig, upstream_decoder: Any) -> None:
     codes = torch.randint(0, CODEBOOK, (GROUPS, 40), generator=gen)
     with torch.inference_mode():
         theirs = upstream_decoder(codes[None])[0, 0]
-        torch.testing.assert_close(decoder(codes), theirs, atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(decoder(codes), theirs, **DECODER_TOL)
         assert theirs.numel() == 40 * 1920 and theirs.abs().max() > 0
         chunked = upstream_decoder.chunked_decode(codes[None], chunk_size=8, left_context_size=25)
         torch.testing.assert_close(
-            chunked_decode(decoder, codes.T, 8, 25), chunked[0, 0], atol=2e-4, rtol=1e-3
+            chunked_decode(decoder, codes.T, 8, 25), chunked[0, 0], **DECODER_TOL
         )
 
 

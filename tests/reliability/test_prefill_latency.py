@@ -30,6 +30,7 @@ from mstar_async.runtime import open_runtime
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.slow,  # a latency measurement over many rounds
     pytest.mark.timeout(300),
     # What is measured is the scheduler's chunking, not the event loop: one loop (the one
     # servers run on) keeps the suite's time.

