@@ -45,7 +45,7 @@ from mstar_async.bench.report import aim_entry, make_report, system_entry
 from mstar_async.engines.kv_engine import KVCacheEngine
 from mstar_async.loop import run_async
 from mstar_async.models.bagel import CFG_MODES, bagel_config, build_bagel
-from mstar_async.runtime import open_runtime
+from mstar_async.runtime import RuntimeSettings, open_runtime
 
 Progress = Callable[[str], None]
 TASKS = ("t2i", "edit")
@@ -150,7 +150,7 @@ async def _run(config: ImageConfig, progress: Progress) -> _Measured:
         for mode in config.modes:
             model = build_bagel(config.size, cfg=mode)
             runtimes[mode] = await stack.enter_async_context(
-                open_runtime(model, max_batch_tokens=1 << 16)
+                open_runtime(model, settings=RuntimeSettings(max_batch_tokens=1 << 16))
             )
         for task in config.tasks:
             for n in config.concurrency:

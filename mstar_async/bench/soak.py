@@ -14,7 +14,6 @@ held, file descriptors back to where they started (a few of slack for the client
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import os
@@ -141,13 +140,8 @@ class _Watch:
     async def kv_blocks(self) -> int:
         total = 0
         for served in self.models.values():
-            runtime = served.runtime
-            if runtime.pool is None:
-                total += runtime.batching.kv_blocks_in_use
-            else:
-                for rank in runtime.pool.ranks:
-                    with contextlib.suppress(MstarError):
-                        total += (await runtime.pool.worker_stats(rank)).get("kv_blocks", 0)
+            stats = await served.runtime.stats()
+            total += sum(rank.kv_used for rank in stats.ranks.values())
         return total
 
     def rss_mb(self) -> float:

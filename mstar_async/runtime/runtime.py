@@ -18,9 +18,11 @@ from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
 from mstar_async.runtime.session import SpeechSession
+from mstar_async.runtime.stats import RuntimeStats, in_process_stats, pool_stats
 from mstar_async.voices import VoiceRecord, VoiceRegistry, VoiceStore
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.pool import WorkerPool
+from mstar_async.worker.settings import RuntimeSettings
 from mstar_async.worker.walk_loop import WalkLoop, build_engines
 
 log = get_logger("mstar_async.runtime")
@@ -58,6 +60,16 @@ class Runtime:
         if self._batching is None:
             raise RuntimeError("this runtime runs its steps in worker processes: see .pool")
         return self._batching
+
+    async def stats(self) -> RuntimeStats:
+        """What every rank runs and holds now (running walks, waiting steps, KV blocks used
+        and total, forwards and batch sizes, restarts; rank 0 alone in process), and what went
+        through the conductor. A worker rank that is starting, restarting, down or slower than
+        half a second to answer is reported ``up=False`` with why. Cancel-safe; never raises.
+        """
+        if self.pool is None:
+            return in_process_stats(self.batching)
+        return await pool_stats(self.pool)
 
     def generate(self, *, request_id: str | None = None, **inputs: Any) -> RequestStream:
         """Start a request and return its outputs as an async iterator (close it, or use
@@ -151,9 +163,7 @@ async def open_runtime(
     model: Model,
     *,
     placement: Placement | None = None,
-    max_batch_size: int = 256,
-    max_batch_tokens: int = 512,
-    forward_time_bound_s: float = 0.1,
+    settings: RuntimeSettings | None = None,
     launcher: Launcher | None = None,
     voices: str | Path | VoiceStore | None = None,
 ) -> AsyncIterator[Runtime]:
@@ -170,10 +180,10 @@ async def open_runtime(
 
     Runs in whatever event loop is already running (asyncio or uvloop); it never creates or
     replaces one. Leaving the block cancels requests still running and stops every worker.
-    ``max_batch_size``, ``max_batch_tokens`` and ``forward_time_bound_s`` bound one forward
-    of an engine (a long prefill is cut into chunks whose forward stays under the time bound,
-    or under a decode round and a quarter where one nears it, so a cancel frees memory
-    promptly and running requests keep their pace; see ``ForwardTimer``). ``voices`` is the
+    ``settings`` (``RuntimeSettings``: batch limits, the forward time bound, worker threads)
+    reach every rank alike: a long prefill is cut into chunks whose forward stays under the
+    time bound, or under a decode round and a quarter where one nears it, so a cancel frees
+    memory promptly and running requests keep their pace (see ``ForwardTimer``). ``voices`` is the
     directory (or store) of registered voices, for models that clone voices
     (``runtime.register_voice``).
 
@@ -184,21 +194,18 @@ async def open_runtime(
         WorkerLost: a worker failed to start.
         Whatever a component factory raises while building its engine in this process.
     """
+    settings = settings or RuntimeSettings()
     if launcher is not None and placement is None:
         raise ValueError("a launcher starts worker ranks: pass a placement too")
     store = voices if isinstance(voices, VoiceStore) or voices is None else VoiceStore(voices)
     registry = None if store is None else VoiceRegistry(store, model.name)
     try:
         if placement is None:
-            async with _in_process(
-                model, max_batch_size, max_batch_tokens, forward_time_bound_s
-            ) as runtime:
+            async with _in_process(model, settings) as runtime:
                 runtime.voices = registry
                 yield runtime
         else:
-            async with _with_workers(
-                model, placement, max_batch_tokens, forward_time_bound_s, launcher
-            ) as runtime:
+            async with _with_workers(model, placement, settings, launcher) as runtime:
                 runtime.voices = registry
                 yield runtime
     except BaseExceptionGroup as group:
@@ -207,15 +214,13 @@ async def open_runtime(
 
 
 @asynccontextmanager
-async def _in_process(
-    model: Model, max_batch_size: int, max_batch_tokens: int, forward_time_bound_s: float
-) -> AsyncIterator[Runtime]:
+async def _in_process(model: Model, settings: RuntimeSettings) -> AsyncIterator[Runtime]:
     thread, engines = await build_engines(model.components)
     batching = WalkLoop(
         engines,
-        max_batch_size=max_batch_size,
-        max_batch_tokens=max_batch_tokens,
-        forward_time_bound_s=forward_time_bound_s,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        forward_time_bound_s=settings.forward_time_bound_s,
         forward_thread=thread,
     )
     log.info("runtime.open", model=model.name, engines=sorted(engines))
@@ -233,8 +238,7 @@ async def _in_process(
 async def _with_workers(
     model: Model,
     placement: Placement,
-    max_batch_tokens: int,
-    forward_time_bound_s: float,
+    settings: RuntimeSettings,
     launcher: Launcher | None,
 ) -> AsyncIterator[Runtime]:
     resolved = placement.validate(model)
@@ -248,8 +252,7 @@ async def _with_workers(
     async with WorkerPool(
         model.source,
         engines_on,
-        max_batch_tokens=max_batch_tokens,
-        forward_time_bound_s=forward_time_bound_s,
+        settings=settings,
         launcher=launcher,
     ) as pool:
         executor = PlacedExecutor(resolved, pool)

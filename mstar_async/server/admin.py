@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mstar_async.server.readiness import unready_models
+from mstar_async.server.readiness import model_stats, unready_models
 from mstar_async.server.served import ServedModel
 from mstar_async.server.state import server_state
 
@@ -53,7 +53,7 @@ async def ready(request: Request) -> Response:
     state = server_state(request)
     if not state.ready:
         return JSONResponse({"status": "loading", "models": {}}, status_code=503)
-    unready = await unready_models(state.models, state.stall_after_s)
+    unready = unready_models(await model_stats(state.models), state.stall_after_s)
     models: dict[str, Any] = {
         name: {"ready": False, "reason": unready[name]} if name in unready else {"ready": True}
         for name in state.models
@@ -63,8 +63,11 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """``GET /metrics``: Prometheus text format."""
-    return Response(server_state(request).metrics.render(), media_type=PROMETHEUS_TEXT)
+    """``GET /metrics``: Prometheus text format; every model's ranks are asked for their
+    counters first (``Runtime.stats()``)."""
+    state = server_state(request)
+    body = state.metrics.render(await model_stats(state.models))
+    return Response(body, media_type=PROMETHEUS_TEXT)
 
 
 def routes() -> list[Route]:

@@ -7,14 +7,13 @@ share or clash over series.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from mstar_async.server.served import ServedModel
+from mstar_async.runtime import RankStats, RuntimeStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -24,7 +23,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class ServerMetrics:
     """The server's metrics; ``render()`` is the text a ``/metrics`` scrape returns."""
 
-    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["model", "route"]
         self.requests = Counter(
@@ -94,55 +93,99 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(RuntimeCollector(models))
+        self._runtimes = RuntimeCollector()
+        self.registry.register(self._runtimes)
 
     def count(self, model: str, route: str, status: int) -> None:
         """Count one answered request."""
         self.requests.labels(model=model, route=route, status=str(status)).inc()
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+    def render(self, runtimes: Mapping[str, RuntimeStats]) -> bytes:
+        """The Prometheus text exposition of every metric, the runtimes' from ``runtimes``
+        (each served model's ``Runtime.stats()``)."""
+        self._runtimes.stats = runtimes
         return generate_latest(self.registry)
 
 
 class RuntimeCollector(Collector):
-    """Reads the in-process runtimes at scrape time: forwards, batch sizes, KV blocks.
+    """What the served runtimes reported (``Runtime.stats()``), per model and rank: forwards,
+    batch sizes, walks running, steps waiting, KV blocks, rank restarts and whether a rank is
+    up; and what crossed each model's conductor. Rank 0 alone for a model in this process."""
 
-    Runtimes whose steps run in worker processes report nothing here (their loops live there).
-    """
-
-    def __init__(self, models: Mapping[str, ServedModel]) -> None:
-        self.models = models
+    def __init__(self) -> None:
+        self.stats: Mapping[str, RuntimeStats] = {}
 
     def collect(self) -> Iterator[Any]:
-        forwards = CounterMetricFamily(
-            "mstar_forwards", "engine forwards run by the batching loop", labels=["model"]
+        by_rank = ["model", "rank"]
+        families = _RankFamilies(
+            forwards=CounterMetricFamily(
+                "mstar_forwards", "engine forwards run by a rank's batching loop", labels=by_rank
+            ),
+            sizes=HistogramMetricFamily(
+                "mstar_batch_size", "steps per engine forward", labels=by_rank
+            ),
+            running=GaugeMetricFamily("mstar_walks_running", "walks running", labels=by_rank),
+            waiting=GaugeMetricFamily(
+                "mstar_steps_waiting", "steps queued or parked for a forward", labels=by_rank
+            ),
+            up=GaugeMetricFamily(
+                "mstar_rank_up",
+                "1 while a rank serves, 0 while it starts, restarts or is down",
+                labels=by_rank,
+            ),
+            restarts=CounterMetricFamily(
+                "mstar_rank_restarts", "times a rank's worker was restarted", labels=by_rank
+            ),
+            used=GaugeMetricFamily(
+                "mstar_kv_blocks_in_use",
+                "KV cache blocks held by live requests",
+                labels=[*by_rank, "engine"],
+            ),
+            total=GaugeMetricFamily(
+                "mstar_kv_blocks", "KV cache blocks in the pool", labels=[*by_rank, "engine"]
+            ),
         )
-        sizes = HistogramMetricFamily(
-            "mstar_batch_size", "steps per engine forward", labels=["model"]
+        steps = CounterMetricFamily(
+            "mstar_conductor_step_messages",
+            "step messages the conductor sent to ranks one step at a time",
+            labels=["model"],
         )
-        used = GaugeMetricFamily(
-            "mstar_kv_blocks_in_use",
-            "KV cache blocks held by live requests",
-            labels=["model", "engine"],
+        received = CounterMetricFamily(
+            "mstar_conductor_received_bytes",
+            "bytes of every message ranks sent the conductor",
+            labels=["model"],
         )
-        total = GaugeMetricFamily(
-            "mstar_kv_blocks", "KV cache blocks in the pool", labels=["model", "engine"]
-        )
-        for name, served in self.models.items():
-            batching = served.runtime_batching()
-            if batching is None:
-                continue
-            stats = batching.stats
-            forwards.add_metric([name], stats.forwards)
-            counts = dict(stats.batch_sizes)  # one C-level copy: the forward thread writes it
-            sizes.add_metric([name], _buckets(counts), sum(k * v for k, v in counts.items()))
-            for engine_name, engine in batching.engines.items():
-                allocator = getattr(engine, "allocator", None)
-                if allocator is not None:
-                    used.add_metric([name, engine_name], allocator.num_used_blocks)
-                    total.add_metric([name, engine_name], allocator.num_blocks)
-        yield from (forwards, sizes, used, total)
+        for name, stats in self.stats.items():
+            for rank in stats.ranks.values():
+                families.add(name, rank)
+            steps.add_metric([name], stats.conductor.step_messages)
+            received.add_metric([name], stats.conductor.bytes_received)
+        yield from (*families.all(), steps, received)
+
+
+class _RankFamilies:
+    """The per-rank metric families of one scrape."""
+
+    def __init__(self, **families: Any) -> None:
+        self.families = families
+
+    def all(self) -> list[Any]:
+        return list(self.families.values())
+
+    def add(self, model: str, rank: RankStats) -> None:
+        f, labels = self.families, [model, str(rank.rank)]
+        f["up"].add_metric(labels, 1 if rank.up else 0)
+        f["restarts"].add_metric(labels, rank.restarts)
+        if not rank.up:
+            return
+        f["forwards"].add_metric(labels, rank.forwards)
+        counts = rank.batch_sizes
+        f["sizes"].add_metric(labels, _buckets(counts), sum(k * v for k, v in counts.items()))
+        f["running"].add_metric(labels, rank.running)
+        f["waiting"].add_metric(labels, rank.waiting)
+        for engine, (used, total) in rank.kv.items():
+            f["used"].add_metric([*labels, engine], used)
+            f["total"].add_metric([*labels, engine], total)
 
 
 def _buckets(counts: Mapping[int, int]) -> list[tuple[str, float]]:

@@ -1,80 +1,57 @@
 """Readiness: whether each served model can make progress now (``GET /health/ready``).
 
 ``/health`` answers while the process serves (liveness); readiness asks more: a model is not
-ready while one of its worker ranks is down, starting or restarting, or while it has steps
-waiting and no forward has finished for ``stall_after_s`` seconds (a forward that hangs, an
-engine that never takes its steps). A model in this process is read from its batching loop
-(``WalkLoop.stalled_s``); a model on worker processes from its pool (``unready_ranks``) and
-from each rank's own loop, asked with a ping that must answer within ``PING_TIMEOUT_S``.
+ready while one of its ranks is down, starting, restarting or too slow to answer (its message
+loop blocked), or while it has steps waiting and no forward has finished for ``stall_after_s``
+seconds (a forward that hangs, an engine that never takes its steps). Both are read from
+``Runtime.stats()``, the same for a model in this process and one on worker processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import anyio
 
-from mstar_async.errors import MstarError
+from mstar_async.runtime import RuntimeStats
 from mstar_async.server.served import ServedModel
-
-if TYPE_CHECKING:
-    from mstar_async.worker.pool import WorkerPool
 
 #: Seconds steps may wait with no forward finishing before a model is reported not ready.
 DEFAULT_STALL_SECONDS = 30.0
-#: A worker rank that does not answer a ping this fast is reported not ready: its message loop
-#: is blocked, so it serves nothing either. Short, as a readiness probe's own timeout is.
-PING_TIMEOUT_S = 0.5
 
 
-async def unready_models(models: Mapping[str, ServedModel], stall_after_s: float) -> dict[str, str]:
-    """The served models that are not ready, each with why (empty: all are ready). The models
-    are asked at once. Cancel-safe; never raises.
-    """
-    found: dict[str, str] = {}
+async def model_stats(models: Mapping[str, ServedModel]) -> dict[str, RuntimeStats]:
+    """Every served model's ``Runtime.stats()``, asked at once. Cancel-safe; never raises."""
+    found: dict[str, RuntimeStats] = {}
 
     async def ask(name: str, served: ServedModel) -> None:
-        why = await why_unready(served, stall_after_s)
-        if why is not None:
-            found[name] = why
+        found[name] = await served.runtime.stats()
 
     async with anyio.create_task_group() as tg:
         for name, served in models.items():
             tg.start_soon(ask, name, served)
-    return found
+    return {name: found[name] for name in models}
 
 
-async def why_unready(served: ServedModel, stall_after_s: float) -> str | None:
-    """Why ``served`` cannot make progress now, or None when it can. Cancel-safe; never
-    raises."""
-    pool = served.runtime.pool
-    if pool is None:
-        return _stalled(served.runtime.batching.stalled_s, stall_after_s)
-    down = pool.unready_ranks()
+def unready_models(stats: Mapping[str, RuntimeStats], stall_after_s: float) -> dict[str, str]:
+    """The models whose ``stats`` say they cannot make progress, each with why (empty: all
+    are ready). Never raises."""
+    found = {name: why_unready(each, stall_after_s) for name, each in stats.items()}
+    return {name: why for name, why in found.items() if why is not None}
+
+
+def why_unready(stats: RuntimeStats, stall_after_s: float) -> str | None:
+    """Why a model with these ``stats`` cannot make progress now, or None when it can: every
+    rank that is not up, else every rank whose steps have stalled. Never raises."""
+    down = stats.down
     if down:
-        return "; ".join(f"worker rank {rank} {why}" for rank, why in sorted(down.items()))
-    reasons: dict[int, str] = {}
-    async with anyio.create_task_group() as tg:
-        for rank in pool.ranks:
-            tg.start_soon(_ask_rank, pool, rank, stall_after_s, reasons)
-    return "; ".join(reasons[rank] for rank in sorted(reasons)) or None
-
-
-async def _ask_rank(
-    pool: WorkerPool, rank: int, stall_after_s: float, reasons: dict[int, str]
-) -> None:
-    with anyio.move_on_after(PING_TIMEOUT_S):
-        try:
-            stats = await pool.worker_stats(rank)
-        except MstarError as exc:  # WorkerLost (naming the rank): it died since we looked
-            reasons[rank] = str(exc)
-            return
-        stalled = _stalled(stats.get("stalled_ms", 0) / 1000, stall_after_s)
-        if stalled is not None:
-            reasons[rank] = f"worker rank {rank}: {stalled}"
-        return
-    reasons[rank] = f"worker rank {rank} did not answer a ping within {PING_TIMEOUT_S} s"
+        return "; ".join(down[rank] for rank in sorted(down))
+    reasons = [
+        f"rank {rank.rank}: {why}"
+        for rank in stats.ranks.values()
+        if (why := _stalled(rank.stalled_s, stall_after_s)) is not None
+    ]
+    return "; ".join(reasons) or None
 
 
 def _stalled(seconds: float, stall_after_s: float) -> str | None:

@@ -17,7 +17,7 @@ from mstar_async.server.errors import APIError
 from mstar_async.server.program_inputs import ProgramInputs
 
 if TYPE_CHECKING:
-    from mstar_async.worker.walk_loop import WalkLoop
+    pass
 
 #: Requests one model serves at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT = 64
@@ -77,10 +77,6 @@ class ServedModel:
         """Whether the model makes speech from a ``text`` input (its ``info`` declares a
         ``sample_rate``): that text is held to ``max_text_chars``."""
         return self.runtime.model.info.get("sample_rate") is not None and "text" in self.inputs
-
-    def runtime_batching(self) -> WalkLoop | None:
-        """The in-process batching loop, or None when steps run in worker processes."""
-        return self.runtime.batching if self.runtime.pool is None else None
 
 
 class ServedModels(Mapping[str, ServedModel]):

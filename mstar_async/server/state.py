@@ -23,15 +23,12 @@ class ServerState:
     runtime realtime sessions share (None until opened, or where it cannot be)."""
 
     models: ServedModels = field(default_factory=ServedModels)
-    metrics: ServerMetrics = field(init=False)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
     ready: bool = False
     stall_after_s: float = DEFAULT_STALL_SECONDS
     vad: Runtime | None = None
     #: Registered voices per served model that clones voices (``create_app(voices_dir=...)``).
     voices: dict[str, VoiceRegistry] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.models)
 
 
 def server_state(request: HTTPConnection) -> ServerState:

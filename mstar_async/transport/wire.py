@@ -282,10 +282,11 @@ class Ping(_Msg, frozen=True, tag="ping", gc=False):
 
 
 class Pong(_Msg, frozen=True, tag="pong", gc=False):
-    """Answer to :class:`Ping` ``id``, with the worker's counters (e.g. ``tensors_held``)."""
+    """Answer to :class:`Ping` ``id``, with the worker's counters (e.g. ``tensors_held``,
+    ``batch_sizes``: see ``mstar_async.worker.report``)."""
 
     id: int = 0
-    stats: dict[str, int] = {}
+    stats: dict[str, Any] = {}
 
 
 class FetchTensor(_Msg, frozen=True, tag="fetch", gc=False):

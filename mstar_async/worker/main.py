@@ -36,6 +36,7 @@ from mstar_async.transport import (
     ZmqHub,
 )
 from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
+from mstar_async.worker.report import loop_report
 from mstar_async.worker.tensor_links import WorkerTensors, bind_peer_endpoint
 from mstar_async.worker.tensor_store import TensorStore
 from mstar_async.worker.walk_loop import WalkLoop, build_engines
@@ -61,6 +62,7 @@ class WorkerConfig:
     engines: list[str]
     parent_pid: int
     threads: int = 1
+    max_batch_size: int = 256
     max_batch_tokens: int = 512
     forward_time_bound_s: float = 0.1
     log_level: str = "WARNING"
@@ -103,6 +105,7 @@ async def serve(config: WorkerConfig) -> None:
     thread, engines = await build_engines({name: model.components[name] for name in config.engines})
     batching = WalkLoop(
         engines,
+        max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
         forward_time_bound_s=config.forward_time_bound_s,
         forward_thread=thread,
@@ -153,7 +156,7 @@ async def _serve_messages(
             tensors.set_peers(message.endpoints)
             walks.wake()  # what waited for a peer's endpoint can go now
         elif isinstance(message, Ping):
-            stats = {**tensors.stats(), **_loop_stats(batching), **walks.peer_stats()}
+            stats = {**tensors.stats(), **loop_report(batching), **walks.peer_stats()}
             await link.send(Pong(message.id, stats))
         elif isinstance(message, Shutdown):
             return
@@ -163,19 +166,6 @@ async def _run_step(
     link: Link, batching: WalkLoop, tensors: WorkerTensors, request: StepRequest
 ) -> None:
     await link.send(await tensors.run_step(batching.submit, request))
-
-
-def _loop_stats(batching: WalkLoop) -> dict[str, int]:
-    stats = batching.stats
-    return {
-        "forwards": stats.forwards,
-        "steps": stats.steps,
-        "walks": batching.walks_running,
-        "kv_blocks": batching.kv_blocks_in_use,
-        "kv_handles": batching.kv_handles,
-        "kv_kept_blocks": batching.kv_kept_blocks,
-        "stalled_ms": int(batching.stalled_s * 1000),
-    }
 
 
 async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:

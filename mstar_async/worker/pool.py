@@ -55,6 +55,7 @@ from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
 from mstar_async.worker.segmented import SegmentedWalk
+from mstar_async.worker.settings import RuntimeSettings
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
@@ -104,9 +105,9 @@ class WorkerPool:
 
     Use as ``async with WorkerPool(...) as pool:``; entering starts every worker and waits for
     each to say it is ready (``ready_timeout`` seconds); leaving asks them to shut down, waits
-    ``stop_timeout`` seconds, then kills what is left. ``threads`` is each worker's torch thread
-    count (default: the cores shared out between the ranks and this process, so nobody
-    oversubscribes them).
+    ``stop_timeout`` seconds, then kills what is left. ``settings`` reach every worker's
+    batching loop; its ``threads`` is each worker's torch thread count (default: the cores
+    shared out between the ranks and this process, so nobody oversubscribes them).
     ``launcher`` starts the workers (default: ``LocalLauncher()``, child processes over IPC); the
     pool calls its ``open`` on entry, binds TCP if it names a host (with the launcher's CURVE
     keys, or on loopback only without), and its ``aclose`` on exit.
@@ -122,9 +123,7 @@ class WorkerPool:
         source: ModelSource,
         engines_on: Mapping[int, frozenset[str]],
         *,
-        threads: int | None = None,
-        max_batch_tokens: int = 512,
-        forward_time_bound_s: float = 0.1,
+        settings: RuntimeSettings | None = None,
         ready_timeout: float = 180.0,
         stop_timeout: float = 10.0,
         log_level: str = "WARNING",
@@ -134,9 +133,9 @@ class WorkerPool:
         self.ranks = {r: _Rank(r, frozenset(e)) for r, e in sorted(engines_on.items())}
         # The conductor's process computes too (detokenizing, chunking, small ops): it counts as a
         # participant, or a lone worker's torch threads would spin against it for the cores.
-        self.threads = threads or max(1, (os.cpu_count() or 1) // (len(self.ranks) + 1))
-        self.max_batch_tokens = max_batch_tokens
-        self.forward_time_bound_s = forward_time_bound_s
+        self.settings = settings or RuntimeSettings()
+        shared = max(1, (os.cpu_count() or 1) // (len(self.ranks) + 1))
+        self.threads = self.settings.threads or shared
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.log_level = log_level
@@ -241,8 +240,9 @@ class WorkerPool:
             engines=sorted(state.engines),
             parent_pid=os.getpid(),
             threads=self.threads,
-            max_batch_tokens=self.max_batch_tokens,
-            forward_time_bound_s=self.forward_time_bound_s,
+            max_batch_size=self.settings.max_batch_size,
+            max_batch_tokens=self.settings.max_batch_tokens,
+            forward_time_bound_s=self.settings.forward_time_bound_s,
             log_level=self.log_level,
             curve_keys=self._curve_folder,
         )
@@ -599,7 +599,7 @@ class WorkerPool:
             raise TransportError(f"rank {rank} answered tensor {ref.key!r} with no tensor")
         return value
 
-    async def worker_stats(self, rank: int) -> dict[str, int]:
+    async def worker_stats(self, rank: int) -> dict[str, Any]:
         """``rank``'s worker counters (``kv_blocks``, ``kv_handles``, ``kv_kept_blocks``,
         ``tensors_held``, ``tensor_bytes_held``, ...), asked over the wire, so all it did
         before is counted. Cancel-safe.
@@ -607,7 +607,7 @@ class WorkerPool:
         Raises:
             WorkerLost: the worker died (or is restarting).
         """
-        stats: dict[str, int] = await self._ask(rank, Ping)
+        stats: dict[str, Any] = await self._ask(rank, Ping)
         return stats
 
     async def release_on(self, rank: int, request_id: str) -> None:

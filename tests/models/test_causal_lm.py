@@ -22,7 +22,7 @@ from mstar_async.models.causal_lm import (
 from mstar_async.models.checkpoints import ChatTokenizer
 from mstar_async.models.quant import QuantLinear
 from mstar_async.outputs import TextDelta, TextEnd
-from mstar_async.runtime import open_runtime
+from mstar_async.runtime import RuntimeSettings, open_runtime
 from tests.requests import collect_text
 
 PROMPTS = [
@@ -87,7 +87,7 @@ async def test_chunked_prefill_keeps_decodes_going_and_changes_nothing(
     model = build_causal_lm(tiny_folder, dtype="float32")
     async with open_runtime(model) as runtime:
         expected = await collect_text(runtime, prompt=long_prompt, max_tokens=12)
-    async with open_runtime(model, max_batch_tokens=16) as runtime:
+    async with open_runtime(model, settings=RuntimeSettings(max_batch_tokens=16)) as runtime:
         engine = runtime.batching.engines["lm"]
         costs: list[list[int]] = []
         forward = engine.forward

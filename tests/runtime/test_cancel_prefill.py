@@ -14,7 +14,7 @@ import pytest
 
 from mstar_async.engines import Step, StepResult
 from mstar_async.placement import Placement
-from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.runtime import Runtime, RuntimeSettings, open_runtime
 from tests.runtime.helpers import one_torch_thread, tiny_lm
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 #: A prompt of ~1,500 tokens, prefilled in many chunks under the small time bound below.
 LONG_PROMPT = {"prompt": "seven words of a long prompt here. " * 200, "max_tokens": 4}
 BOUND_S = 0.01
+BOUNDED = RuntimeSettings(forward_time_bound_s=BOUND_S)
 BUDGET = 0.1  # seconds from the end of the forward in flight to every KV block free
 
 
@@ -46,7 +47,7 @@ class _Timed:
 
 async def test_cancel_mid_prefill_in_process(tiny_folder: Path) -> None:
     with one_torch_thread(), anyio.fail_after(100):
-        async with open_runtime(tiny_lm(tiny_folder), forward_time_bound_s=BOUND_S) as runtime:
+        async with open_runtime(tiny_lm(tiny_folder), settings=BOUNDED) as runtime:
             timed = _Timed(runtime.batching.engines["lm"])
             runtime.batching.engines["lm"] = timed
             outputs = runtime.generate(**LONG_PROMPT)
@@ -67,16 +68,14 @@ async def test_cancel_mid_prefill_in_process(tiny_folder: Path) -> None:
 
 
 async def _worker_counts(runtime: Runtime) -> tuple[int, int]:
-    assert runtime.pool is not None
-    stats = await runtime.pool.worker_stats(0)
-    return stats["forwards"], stats["kv_blocks"]
+    rank = (await runtime.stats()).ranks[0]
+    assert rank.up, rank.reason
+    return rank.forwards, rank.kv_used
 
 
 async def test_cancel_mid_prefill_on_a_worker(tiny_folder: Path) -> None:
     model = tiny_lm(tiny_folder)
-    async with open_runtime(
-        model, placement=Placement.single(), forward_time_bound_s=BOUND_S
-    ) as runtime:
+    async with open_runtime(model, placement=Placement.single(), settings=BOUNDED) as runtime:
         with anyio.fail_after(100):
             before, _ = await _worker_counts(runtime)
             outputs = runtime.generate(**LONG_PROMPT)

@@ -41,7 +41,10 @@ def test_serve_places_a_model_on_worker_processes() -> None:
     kinds = [json.loads(event[len("data: ") :])["type"] for event in events]
     assert kinds[0] == "audio" and kinds[-2:] == ["image", "done"]
     assert 'mstar_requests_total{model="demo",route="/generate",status="200"} 1.0' in metrics
-    assert "mstar_kv_blocks_in_use{" not in metrics  # the loops live in the workers
+    # Each worker rank reports its loop: rank 1 ran the codec's forwards.
+    assert 'mstar_rank_up{model="demo",rank="1"} 1.0' in metrics
+    assert 'mstar_forwards_total{model="demo",rank="1"} 0.0' not in metrics
+    assert 'mstar_forwards_total{model="demo",rank="1"}' in metrics
 
 
 @pytest.mark.timeout(90)

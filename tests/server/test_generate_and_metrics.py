@@ -158,9 +158,11 @@ def test_metrics_count_requests_tokens_batches_and_kv_blocks(url: str) -> None:
     assert grew("mstar_time_to_first_byte_seconds_count", **chat) == 1
     assert grew("mstar_request_duration_seconds_count", **chat) == 1
     assert after[("mstar_requests_in_flight", (("model", "causal-lm"),))] == 0
-    forwards = grew("mstar_forwards_total", model="causal-lm")
+    forwards = grew("mstar_forwards_total", model="causal-lm", rank="0")
     assert forwards >= 3  # a prefill and two decodes at least
-    assert grew("mstar_batch_size_count", model="causal-lm") == forwards
-    kv = (("engine", "lm"), ("model", "causal-lm"))
+    assert grew("mstar_batch_size_count", model="causal-lm", rank="0") == forwards
+    kv = (("engine", "lm"), ("model", "causal-lm"), ("rank", "0"))
     assert after[("mstar_kv_blocks_in_use", kv)] == 0
     assert after[("mstar_kv_blocks", kv)] > 0
+    rank = (("model", "causal-lm"), ("rank", "0"))
+    assert after[("mstar_rank_up", rank)] == 1 and after[("mstar_steps_waiting", rank)] == 0
