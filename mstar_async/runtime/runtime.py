@@ -63,13 +63,15 @@ class Runtime:
 
     async def stats(self) -> RuntimeStats:
         """What every rank runs and holds now (running walks, waiting steps, KV blocks used
-        and total, forwards and batch sizes, restarts; rank 0 alone in process), and what went
-        through the conductor. A worker rank that is starting, restarting, down or slower than
-        half a second to answer is reported ``up=False`` with why. Cancel-safe; never raises.
+        and total, forwards and batch sizes, restarts; rank 0 alone in process), and the
+        conductor's requests and what went through it. A worker rank that is starting,
+        restarting, down or slower than half a second to answer is reported ``up=False`` with
+        why. Cancel-safe; never raises.
         """
+        requests = len(self.conductor.active)
         if self.pool is None:
-            return in_process_stats(self.batching)
-        return await pool_stats(self.pool)
+            return in_process_stats(self.batching, requests)
+        return await pool_stats(self.pool, requests)
 
     def generate(self, *, request_id: str | None = None, **inputs: Any) -> RequestStream:
         """Start a request and return its outputs as an async iterator (close it, or use

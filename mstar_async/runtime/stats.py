@@ -57,10 +57,11 @@ class RankStats:
 
 @dataclass(frozen=True)
 class ConductorStats:
-    """What went through the conductor's process: ``step_messages`` sent to ranks one step
-    at a time, and ``bytes_received`` of every message ranks sent it (outputs, and any engine
-    state moved through it). Zero in process."""
+    """The conductor: ``requests`` running (their programs), ``step_messages`` sent to ranks
+    one step at a time, and ``bytes_received`` of every message ranks sent it (outputs, and
+    any engine state moved through it; zero in process)."""
 
+    requests: int = 0
     step_messages: int = 0
     bytes_received: int = 0
 
@@ -97,14 +98,18 @@ def rank_stats(rank: int, report: Mapping[str, Any], restarts: int = 0) -> RankS
     )
 
 
-def in_process_stats(batching: WalkLoop) -> RuntimeStats:
-    """Stats of a runtime whose one rank is ``batching``, in this process. Never raises."""
-    return RuntimeStats({0: rank_stats(0, loop_report(batching))})
+def in_process_stats(batching: WalkLoop, requests: int) -> RuntimeStats:
+    """Stats of a runtime whose one rank is ``batching``, in this process, with ``requests``
+    running. Never raises."""
+    return RuntimeStats({0: rank_stats(0, loop_report(batching))}, ConductorStats(requests))
 
 
-async def pool_stats(pool: WorkerPool, answer_within_s: float = ANSWER_WITHIN_S) -> RuntimeStats:
-    """Stats of every rank of ``pool``, asked at once; a rank that is not ready, or does not
-    answer within ``answer_within_s``, is reported down. Cancel-safe; never raises."""
+async def pool_stats(
+    pool: WorkerPool, requests: int, answer_within_s: float = ANSWER_WITHIN_S
+) -> RuntimeStats:
+    """Stats of every rank of ``pool``, asked at once, with ``requests`` running; a rank that
+    is not ready, or does not answer within ``answer_within_s``, is reported down.
+    Cancel-safe; never raises."""
     found: dict[int, RankStats] = {}
     unready = pool.unready_ranks()
 
@@ -127,5 +132,5 @@ async def pool_stats(pool: WorkerPool, answer_within_s: float = ANSWER_WITHIN_S)
     async with anyio.create_task_group() as tg:
         for rank in pool.ranks:
             tg.start_soon(ask, rank)
-    conductor = ConductorStats(pool.steps_sent, pool.bytes_received)
+    conductor = ConductorStats(requests, pool.steps_sent, pool.bytes_received)
     return RuntimeStats(dict(sorted(found.items())), conductor)

@@ -12,7 +12,7 @@ import pytest
 from mstar_async.models import build_model
 from mstar_async.outputs import TextDelta
 from mstar_async.placement import Placement
-from mstar_async.runtime import Runtime, RuntimeSettings, RuntimeStats, open_runtime
+from mstar_async.runtime import ConductorStats, Runtime, RuntimeSettings, RuntimeStats, open_runtime
 from tests.runtime.helpers import SPEECH, tiny_lm
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -45,13 +45,17 @@ def _check_counts(stats: RuntimeStats, rank: int) -> None:
 async def test_in_process_is_rank_0_with_the_loops_counts(tiny_folder: Path) -> None:
     async with open_runtime(tiny_lm(tiny_folder)) as runtime:
         before = await runtime.stats()
+        async with runtime.generate(messages=[{"role": "user", "content": "hi"}]) as running:
+            assert (await runtime.stats()).conductor.requests == 1
+            async for _ in running:
+                pass
         await _ask_all(runtime)
         after = await runtime.stats()
     assert list(before.ranks) == [0] and before.ranks[0].forwards == 0
     _check_counts(after, 0)
     used, total = after.ranks[0].kv["lm"]
     assert used == 0 and total > 0 and after.ranks[0].kv_total == total
-    assert after.conductor.step_messages == 0 and after.conductor.bytes_received == 0
+    assert after.conductor == ConductorStats(requests=0, step_messages=0, bytes_received=0)
     # Four requests at once share forwards: some batch held more than one step.
     assert max(after.ranks[0].batch_sizes) > 1
 
