@@ -67,7 +67,7 @@ async def test_cancelling_the_consumers_scope_frees_kv_within_budget(tiny_folder
             elapsed = await _wait_blocks_free(runtime, cancelled_at)
             assert elapsed < BUDGET
             assert outputs.metrics.cancelled
-            assert runtime.conductor.active == {}
+            assert (await runtime.stats()).conductor.requests == 0
             assert await settled_tasks() == baseline
 
 
@@ -98,7 +98,7 @@ async def test_task_cancel_from_the_host_raises_cancelled_error_and_frees_kv(
             elapsed = await _wait_blocks_free(runtime, cancelled_at)
             assert elapsed < BUDGET
             assert streams[0].metrics.cancelled
-            assert runtime.conductor.active == {}
+            assert (await runtime.stats()).conductor.requests == 0
 
 
 async def test_aclose_frees_kv_within_budget_while_another_request_keeps_decoding(

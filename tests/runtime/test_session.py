@@ -154,7 +154,7 @@ async def test_cancelling_the_reader_stops_every_segment_and_frees_kv(tiny_folde
             assert scope.cancelled_caught
             assert {d.segment for d in deltas} == {0}
             assert engine.blocks_in_use == 0
-            assert runtime.conductor.active == {}
+            assert (await runtime.stats()).conductor.requests == 0
             assert [m.cancelled for m in session.metrics] == [True] * 3  # 1 read + 2 ahead
             assert await settled_tasks() == baseline
             with pytest.raises(SessionClosed, match="after aclose"):
@@ -183,7 +183,7 @@ async def test_text_segments_of_a_text_model_match_each_request_alone(tiny_folde
                         continue  # a closing usage report, where the model makes one
                     by_segment[delta.segment] = by_segment.get(delta.segment, "") + delta.text
             assert session.segments == sentences
-            assert runtime.batching.engines["lm"].blocks_in_use == 0
+            assert (await runtime.stats()).ranks[0].kv_used == 0
     assert [by_segment[k] for k in range(3)] == alone
 
 
@@ -213,7 +213,7 @@ async def test_a_failing_segment_fails_the_session_and_stops_the_others() -> Non
                 with pytest.raises(SessionClosed):
                     session.push_text("more")
                 assert [item async for item in session] == []
-            assert runtime.conductor.active == {}
+            assert (await runtime.stats()).conductor.requests == 0
             assert [(m.finished, m.failed, m.cancelled) for m in session.metrics] == [
                 (True, False, False),
                 (False, True, False),
