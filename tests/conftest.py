@@ -1,5 +1,7 @@
 """Shared test setup.
 
+Ray stays on loopback: see ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` below.
+
 Every async test runs on the default asyncio loop; those marked ``uvloop`` (the transport,
 the conductor, the runtime and the worker processes, where the loop's own machinery is
 exercised) run on uvloop as well. A test that parametrizes ``anyio_backend`` itself keeps
@@ -8,16 +10,21 @@ its own choice.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+# Ray, wherever a test starts or joins it, uses 127.0.0.1 for every service rather than this
+# host's own address (on Linux it registers the host's address unless this is 0); set before
+# anything imports ray, and inherited by every process a test starts (`mstar serve`, workers).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
 ]
-
 
 
 def _parametrizes_loop(metafunc: pytest.Metafunc) -> bool:

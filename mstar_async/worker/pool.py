@@ -146,6 +146,7 @@ class WorkerPool:
         self._server: Server | None = None
         self._endpoint = ""
         self._curve_folder = ""  # where workers find the CURVE keys, when the pool has TCP keys
+        self._curve_material: dict[str, str] = {}  # or the keys themselves, made for the run
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
@@ -189,7 +190,8 @@ class WorkerPool:
                     self._server = self._hub.bind(
                         f"tcp://0.0.0.0:{fixed}", curve=keys.runtime_server()
                     )
-                    self._curve_folder = str(keys.folder)
+                    self._curve_folder = "" if keys.folder is None else str(keys.folder)
+                    self._curve_material = {} if keys.folder else keys.worker_material()
                 port = self._server.endpoint.rsplit(":", 1)[1]
                 self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
@@ -245,6 +247,8 @@ class WorkerPool:
             forward_time_bound_s=self.forward_time_bound_s,
             log_level=self.log_level,
             curve_keys=self._curve_folder,
+            curve_material=self._curve_material,
+            ranks=len(self.ranks),
         )
         state.worker = await self.launcher.start(config)
         log.info("worker.start", rank=state.rank, pid=state.worker.pid, generation=state.generation)
