@@ -178,7 +178,12 @@ class LocalLauncher:
 # ------------------------------------------------------------------------------------ ray
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        MstarError: Ray is not installed (the message says what to install).
+    """
     # Through importlib so that neither importing this module nor type-checking it needs Ray,
     # which ships incomplete types; everything Ray hands back is typed Any here.
     try:
@@ -359,7 +364,7 @@ class RayLauncher:
         curve_keys: CurveKeys | None = None,
         strategy: str = "PACK",
     ) -> None:
-        self._ray = _import_ray()
+        self._ray = import_ray()
         self.curve_keys = curve_keys
         self.address = address
         self.resources_per_rank = {
