@@ -150,6 +150,7 @@ class WorkerPool:
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
+        self._unsent: set[int] = set()  # walks whose StartWalk waits for a rank to be ready
         self._outgoing: list[tuple[int, StartWalk | FeedWalk]] = []
         self._feeds: dict[tuple[int, str], Callable[[], None]] = {}  # called once fed
         self._credits: dict[int, dict[int, int]] = {}
@@ -395,6 +396,7 @@ class WorkerPool:
             sink.end({}, WorkerLost(f"worker rank {rank} is down{why}"))
             return RemoteWalk(self, rank, walk_id)
         self._walks[walk_id] = (rank, sink)
+        self._unsent.add(walk_id)
         message = StartWalk(
             walk_id,
             request_id,
@@ -456,6 +458,7 @@ class WorkerPool:
 
     def _walk_gone(self, walk_id: int) -> None:
         # Feeds waiting for room in a walk that has ended wait no more.
+        self._unsent.discard(walk_id)
         for key in [k for k in self._feeds if k[0] == walk_id]:
             self._feeds.pop(key)()
 
@@ -469,7 +472,13 @@ class WorkerPool:
             self._send_wake.set()
 
     def _walk_cancel(self, rank: int, walk_id: int) -> None:
-        if walk_id in self._walks:
+        if walk_id in self._unsent:
+            # Its start still waits for a rank that is restarting (a segment whose peer was
+            # lost): no worker has it, so it ends here, and its start is never sent.
+            _, sink = self._walks.pop(walk_id)
+            self._walk_gone(walk_id)
+            sink.end({}, None)
+        elif walk_id in self._walks:
             self._cancels.setdefault(rank, []).append(walk_id)
             self._send_wake.set()
 
@@ -491,13 +500,19 @@ class WorkerPool:
             for rank in list(held):
                 queue = held[rank]
                 while queue:
+                    if isinstance(queue[0], StartWalk) and queue[0].id not in self._unsent:
+                        queue.pop(0)  # cancelled (or its rank lost) before it could start
+                        continue
                     # A segment starts once every rank of its walk is ready: its peers must
                     # know each other's endpoints before the first item goes worker to worker.
                     waits_for = _unready(self.ranks, rank, queue[0])
                     if waits_for is not None:
                         self._wake_when_ready(waits_for)
                         break
-                    await self._send_walk_message(rank, queue.pop(0))
+                    head = queue.pop(0)
+                    if isinstance(head, StartWalk):
+                        self._unsent.discard(head.id)
+                    await self._send_walk_message(rank, head)
                 if not queue:
                     del held[rank]
 
@@ -549,8 +564,15 @@ class WorkerPool:
                     pass  # gone: its supervisor restarts it, and the next Hello sends again
 
     async def _ask(self, rank: int, build: Callable[[int], Message]) -> Any:
-        """Send ``build(id)`` to ``rank`` and wait for the reply with that id."""
+        """Send ``build(id)`` to ``rank`` and wait for the reply with that id. A rank whose
+        worker is lost and not yet replaced fails at once (its launcher may take long to start
+        another: a Ray node to replace the lost one); one whose new worker is starting is
+        waited for."""
         state = self.ranks[rank]
+        lost = state.worker
+        if lost is not None and lost.returncode is not None and not state.ready.is_set():
+            why = f": {state.down}" if state.down else ""
+            raise WorkerLost(f"worker rank {rank} was lost and is restarting{why}")
         with anyio.fail_after(self.ready_timeout):
             await state.ready.wait()
         if state.worker is None or state.worker.returncode is not None:
