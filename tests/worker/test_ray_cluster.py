@@ -1,0 +1,193 @@
+"""``mstar serve --ray`` on a three-node Ray cluster on this machine: ranks pinned to nodes by
+the placement's resources, served over HTTP, and a node lost mid-stream and replaced.
+
+Every node is on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, set in tests/conftest.py
+and inherited by ``mstar serve``); each carries a custom resource (``node_a`` on the head,
+``node_b``, ``node_c``) that a placement's ``resources:`` asks for to pin a rank to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mstar_async.placement import Placement
+from tests.server.conftest import openai_client
+from tests.server.live import http
+from tests.server.process import alive, mstar_serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
+MIB = 1024 * 1024
+#: What each node of the test's cluster gets: little, as the machine has 2 cores.
+NODE = {"num_cpus": 2, "object_store_memory": 80 * MIB, "include_dashboard": False}
+
+
+def placement_file(tmp_path: Path, example: str, pins: dict[int, str]) -> str:
+    """``example`` with each rank pinned to the node holding the custom resource ``pins[rank]``."""
+    data = Placement.from_yaml(EXAMPLES / example).to_dict()
+    data["resources"] = {rank: {"CPU": 1, node: 1} for rank, node in pins.items()}
+    path = tmp_path / f"pinned-{example}"
+    path.write_text(Placement.from_dict(data).to_yaml())
+    return str(path)
+
+
+def wait_until(check: Callable[[], bool], within: float, what: str) -> float:
+    """Poll ``check`` until it holds; the seconds that took. Fails after ``within`` s."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < within, f"{what} not within {within} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def ready(url: str) -> bool:
+    try:
+        return http("GET", f"{url}/health/ready", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def shm_segments() -> set[str]:
+    return {entry.name for entry in Path("/dev/shm").glob("mstar*")}
+
+
+def mstar_actor_pids() -> list[int]:
+    """Processes on this machine that are Ray actors of an mstar runtime."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"MstarWorker" in command and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def node_of(ray: Any, nodes: dict[str, Any], rank: int) -> str:
+    """The custom resource of the node holding ``rank``'s bundle of the one mstar group."""
+    (group,) = mstar_groups(ray)
+    node_id = group["bundles_to_node_id"][rank]
+    return next(name for name, node in nodes.items() if node.node_id == node_id)
+
+
+def mstar_groups(ray: Any) -> list[dict[str, Any]]:
+    return [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith("mstar-") and g["state"] != "REMOVED"
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """A three-node cluster and a driver connected to it (to look at placement groups)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    started = time.monotonic()
+    made = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1"},
+    )
+    try:
+        nodes = {"node_a": made.head_node}
+        for name in ("node_b", "node_c"):
+            nodes[name] = made.add_node(**NODE, resources={name: 1}, node_ip_address="127.0.0.1")
+        made.wait_for_nodes()
+        ray.init(address=made.address, log_to_driver=False)
+        print(f"cluster of 3 up in {time.monotonic() - started:.1f} s")
+        yield ray, made, nodes
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+def test_orpheus_with_its_codec_on_another_node_speaks(
+    cluster: tuple[Any, Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    ray, made, nodes = cluster
+    before = shm_segments()
+    placement = placement_file(tmp_path, "orpheus_codec_split.yaml", {0: "node_a", 1: "node_b"})
+    serve = ("orpheus", "--ray", made.address, "--placement", f"orpheus={placement}")
+    started = time.monotonic()
+    with mstar_serve(*serve, ready_within=150) as (url, process):
+        print(f"orpheus served on the cluster in {time.monotonic() - started:.1f} s")
+        assert [node_of(ray, nodes, 0), node_of(ray, nodes, 1)] == ["node_a", "node_b"]
+        with openai_client(url) as client:
+            speech = client.audio.speech.create(
+                model="orpheus", input="Hello there.", voice="tara", extra_body={"max_tokens": 42}
+            )
+        assert speech.content[:4] == b"RIFF" and len(speech.content) > 44
+        assert len(mstar_actor_pids()) == 2
+    assert process.returncode == 0
+    wait_until(lambda: not mstar_groups(ray), 20, "the placement group removed")
+    wait_until(lambda: not mstar_actor_pids(), 20, "the actors ended")
+    assert not shm_segments() - before
+
+
+def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
+    cluster: tuple[Any, Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    ray, made, nodes = cluster
+    before = shm_segments()
+    placement = placement_file(tmp_path, "prefill_decode.yaml", {0: "node_a", 1: "node_c"})
+    serve = ("causal-lm", "--ray", made.address, "--placement", f"causal-lm={placement}")
+    chat: dict[str, Any] = {
+        "model": "causal-lm",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 600,
+        "extra_body": {"ignore_eos": True},
+    }
+    with mstar_serve(*serve, ready_within=150) as (url, process), openai_client(url) as client:
+        assert [node_of(ray, nodes, 0), node_of(ray, nodes, 1)] == ["node_a", "node_c"]
+        stream = client.chat.completions.create(stream=True, **chat)
+        chunks = iter(stream)
+        assert next(chunks).choices[0].delta.role == "assistant"
+        next(chunks)  # decoding on node_c now
+        remover = threading.Thread(target=made.remove_node, args=(nodes.pop("node_c"),))
+        lost_at = time.monotonic()
+        remover.start()
+        failed_after, read = _read_until_it_fails(chunks)
+        remover.join(30)
+        print(f"the lost node's stream failed {failed_after - lost_at:.1f} s after the removal")
+        assert failed_after - lost_at < 10, f"read {read} chunks after the node went"
+        assert not ready(url)  # rank 1 is restarting: no node has node_c
+        body = http("GET", f"{url}/health/ready").json()
+        assert "worker rank 1 is restarting" in str(body), body
+
+        added_at = time.monotonic()
+        nodes["node_c"] = made.add_node(**NODE, resources={"node_c": 1})
+        back = wait_until(lambda: ready(url), 90, "rank 1 back on the new node_c")
+        print(f"rank 1 ready on the new node {back:.1f} s after the node was added")
+        assert node_of(ray, nodes, 1) == "node_c"
+        reply = client.chat.completions.create(**{**chat, "max_tokens": 8})
+        assert reply.usage is not None and reply.usage.completion_tokens == 8
+        print(f"served again {time.monotonic() - added_at:.1f} s after the node was added")
+    assert process.returncode == 0
+    wait_until(lambda: not mstar_groups(ray), 20, "the placement group removed")
+    wait_until(lambda: not mstar_actor_pids(), 20, "the actors ended")
+    assert not shm_segments() - before
+
+
+def _read_until_it_fails(chunks: Iterator[Any]) -> tuple[float, int]:
+    """Read the stream until it raises (an error event, a broken connection); when that was,
+    and how many chunks came first. A stream that ends without an error fails the test."""
+    import openai
+
+    read = 0
+    try:
+        for _ in chunks:
+            read += 1
+    except (openai.APIError, OSError) as exc:
+        assert "rank 1" in str(exc) or not isinstance(exc, openai.APIError), exc
+        return time.monotonic(), read
+    raise AssertionError(f"the stream ended without an error after {read} more chunks")
