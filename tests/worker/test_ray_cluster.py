@@ -3,7 +3,8 @@ the placement's resources, served over HTTP, and a node lost mid-stream and repl
 
 Every node is on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, set in tests/conftest.py
 and inherited by ``mstar serve``); each carries a custom resource (``node_a`` on the head,
-``node_b``, ``node_c``) that a placement's ``resources:`` asks for to pin a rank to it.
+``node_b``, ``node_c``; ``UNITS`` of it) that a placement's ``resources:`` asks for one of to
+pin a rank to it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
 MIB = 1024 * 1024
 #: What each node of the test's cluster gets: little, as the machine has 2 cores.
 NODE = {"num_cpus": 2, "object_store_memory": 80 * MIB, "include_dashboard": False}
+#: Units of its custom resource a node has: a rank pinned to it asks for one.
+UNITS = 4
+LOOPBACK = {"node_ip_address": "127.0.0.1"}
 
 
 def placement_file(tmp_path: Path, example: str, pins: dict[int, str]) -> str:
@@ -72,11 +76,17 @@ def mstar_actor_pids() -> list[int]:
     return found
 
 
-def node_of(ray: Any, nodes: dict[str, Any], rank: int) -> str:
-    """The custom resource of the node holding ``rank``'s bundle of the one mstar group."""
-    (group,) = mstar_groups(ray)
-    node_id = group["bundles_to_node_id"][rank]
-    return next(name for name, node in nodes.items() if node.node_id == node_id)
+def bundles_placed(ray: Any, nodes: dict[str, Any]) -> list[tuple[str, str]]:
+    """For each rank's bundle of every mstar placement group: the node it asks for (its custom
+    resource) and the node Ray put it on, sorted."""
+    placed = []
+    for group in mstar_groups(ray):
+        for index, bundle in group["bundles"].items():
+            asked = next(name for name in bundle if name.startswith("node_"))
+            node_id = group["bundles_to_node_id"][index]
+            on = next(name for name, node in nodes.items() if node.node_id == node_id)
+            placed.append((asked, on))
+    return sorted(placed)
 
 
 def mstar_groups(ray: Any) -> list[dict[str, Any]]:
@@ -96,12 +106,12 @@ def cluster() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
     started = time.monotonic()
     made = Cluster(
         initialize_head=True,
-        head_node_args={**NODE, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1"},
+        head_node_args={**NODE, "resources": {"node_a": UNITS}, **LOOPBACK},
     )
     try:
         nodes = {"node_a": made.head_node}
         for name in ("node_b", "node_c"):
-            nodes[name] = made.add_node(**NODE, resources={name: 1}, node_ip_address="127.0.0.1")
+            nodes[name] = made.add_node(**NODE, resources={name: UNITS}, **LOOPBACK)
         made.wait_for_nodes()
         ray.init(address=made.address, log_to_driver=False)
         print(f"cluster of 3 up in {time.monotonic() - started:.1f} s")
@@ -121,7 +131,7 @@ def test_orpheus_with_its_codec_on_another_node_speaks(
     started = time.monotonic()
     with mstar_serve(*serve, ready_within=150) as (url, process):
         print(f"orpheus served on the cluster in {time.monotonic() - started:.1f} s")
-        assert [node_of(ray, nodes, 0), node_of(ray, nodes, 1)] == ["node_a", "node_b"]
+        assert bundles_placed(ray, nodes) == [("node_a", "node_a"), ("node_b", "node_b")]
         with openai_client(url) as client:
             speech = client.audio.speech.create(
                 model="orpheus", input="Hello there.", voice="tara", extra_body={"max_tokens": 42}
@@ -140,7 +150,9 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
     ray, made, nodes = cluster
     before = shm_segments()
     placement = placement_file(tmp_path, "prefill_decode.yaml", {0: "node_a", 1: "node_c"})
-    serve = ("causal-lm", "--ray", made.address, "--placement", f"causal-lm={placement}")
+    speaker = placement_file(tmp_path, "orpheus_codec_split.yaml", {0: "node_a", 1: "node_b"})
+    serve = ("causal-lm", "orpheus", "--ray", made.address)
+    serve += ("--placement", f"causal-lm={placement}", "--placement", f"orpheus={speaker}")
     chat: dict[str, Any] = {
         "model": "causal-lm",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -148,7 +160,8 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
         "extra_body": {"ignore_eos": True},
     }
     with mstar_serve(*serve, ready_within=150) as (url, process), openai_client(url) as client:
-        assert [node_of(ray, nodes, 0), node_of(ray, nodes, 1)] == ["node_a", "node_c"]
+        pairs = [("node_a", "node_a")] * 2 + [("node_b", "node_b"), ("node_c", "node_c")]
+        assert bundles_placed(ray, nodes) == pairs
         stream = client.chat.completions.create(stream=True, **chat)
         chunks = iter(stream)
         assert next(chunks).choices[0].delta.role == "assistant"
@@ -158,17 +171,22 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
         remover.start()
         failed_after, read = _read_until_it_fails(chunks)
         remover.join(30)
-        print(f"the lost node's stream failed {failed_after - lost_at:.1f} s after the removal")
+        print(f"the lost node's stream failed {failed_after - lost_at:.3f} s after the removal")
         assert failed_after - lost_at < 10, f"read {read} chunks after the node went"
         assert not ready(url)  # rank 1 is restarting: no node has node_c
         body = http("GET", f"{url}/health/ready").json()
         assert "worker rank 1 is restarting" in str(body), body
+        # The other model, on node_a and node_b, is served all along.
+        speech = client.audio.speech.create(
+            model="orpheus", input="Still here.", voice="tara", extra_body={"max_tokens": 28}
+        )
+        assert speech.content[:4] == b"RIFF" and len(speech.content) > 44
 
         added_at = time.monotonic()
-        nodes["node_c"] = made.add_node(**NODE, resources={"node_c": 1})
+        nodes["node_c"] = made.add_node(**NODE, resources={"node_c": UNITS}, **LOOPBACK)
         back = wait_until(lambda: ready(url), 90, "rank 1 back on the new node_c")
         print(f"rank 1 ready on the new node {back:.1f} s after the node was added")
-        assert node_of(ray, nodes, 1) == "node_c"
+        assert bundles_placed(ray, nodes) == pairs  # rank 1 on the new node_c
         reply = client.chat.completions.create(**{**chat, "max_tokens": 8})
         assert reply.usage is not None and reply.usage.completion_tokens == 8
         print(f"served again {time.monotonic() - added_at:.1f} s after the node was added")
