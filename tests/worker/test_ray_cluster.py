@@ -58,20 +58,38 @@ def ready(url: str) -> bool:
         return False
 
 
+def leaked_segments(before: set[str]) -> set[str]:
+    """Shared-memory segments made since ``before`` whose owner (``mstar-<pid>-...``) is gone:
+    what nobody will unlink. Live processes' segments (other tests running here) do not count.
+    """
+    leaked = set()
+    for entry in Path("/dev/shm").glob("mstar*"):
+        owner = entry.name.split("-")[1] if entry.name.count("-") >= 2 else ""
+        if entry.name not in before and not (owner.isdigit() and alive(int(owner))):
+            leaked.add(entry.name)
+    return leaked
+
+
 def shm_segments() -> set[str]:
     return {entry.name for entry in Path("/dev/shm").glob("mstar*")}
 
 
-def mstar_actor_pids() -> list[int]:
-    """Processes on this machine that are Ray actors of an mstar runtime."""
+def mstar_actor_pids(nodes: dict[str, Any]) -> list[int]:
+    """Processes of this cluster's nodes (children of their raylets) that are Ray actors of an
+    mstar runtime."""
+    raylets = set()
+    for node in nodes.values():
+        for info in node.all_processes.get("raylet", []):
+            raylets.add(info.process.pid)
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 command = (entry / "cmdline").read_bytes()
-            except OSError:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if b"MstarWorker" in command and alive(int(entry.name)):
+            if b"MstarWorker" in command and parent in raylets and alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
 
@@ -137,11 +155,11 @@ def test_orpheus_with_its_codec_on_another_node_speaks(
                 model="orpheus", input="Hello there.", voice="tara", extra_body={"max_tokens": 42}
             )
         assert speech.content[:4] == b"RIFF" and len(speech.content) > 44
-        assert len(mstar_actor_pids()) == 2
+        assert len(mstar_actor_pids(nodes)) == 2
     assert process.returncode == 0
     wait_until(lambda: not mstar_groups(ray), 20, "the placement group removed")
-    wait_until(lambda: not mstar_actor_pids(), 20, "the actors ended")
-    assert not shm_segments() - before
+    wait_until(lambda: not mstar_actor_pids(nodes), 20, "the actors ended")
+    assert not leaked_segments(before)
 
 
 def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
@@ -166,6 +184,8 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
         chunks = iter(stream)
         assert next(chunks).choices[0].delta.role == "assistant"
         next(chunks)  # decoding on node_c now
+        assert len(mstar_actor_pids(nodes)) == 4
+        (on_c,) = mstar_actor_pids({"node_c": nodes["node_c"]})
         remover = threading.Thread(target=made.remove_node, args=(nodes.pop("node_c"),))
         lost_at = time.monotonic()
         remover.start()
@@ -174,6 +194,8 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
         print(f"the lost node's stream failed {failed_after - lost_at:.3f} s after the removal")
         assert failed_after - lost_at < 10, f"read {read} chunks after the node went"
         assert not ready(url)  # rank 1 is restarting: no node has node_c
+        wait_until(lambda: not alive(on_c), 10, "the lost node's actor ended")
+        assert len(mstar_actor_pids(nodes)) == 3  # the survivors' actors, untouched
         body = http("GET", f"{url}/health/ready").json()
         assert "worker rank 1 is restarting" in str(body), body
         # The other model, on node_a and node_b, is served all along.
@@ -192,8 +214,8 @@ def test_a_lost_decode_node_fails_its_stream_and_its_replacement_serves(
         print(f"served again {time.monotonic() - added_at:.1f} s after the node was added")
     assert process.returncode == 0
     wait_until(lambda: not mstar_groups(ray), 20, "the placement group removed")
-    wait_until(lambda: not mstar_actor_pids(), 20, "the actors ended")
-    assert not shm_segments() - before
+    wait_until(lambda: not mstar_actor_pids(nodes), 20, "the actors ended")
+    assert not leaked_segments(before)
 
 
 def _read_until_it_fails(chunks: Iterator[Any]) -> tuple[float, int]:
