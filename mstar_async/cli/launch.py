@@ -43,7 +43,7 @@ RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 
 
 def add_listen_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--listen``, ``--join`` and ``--curve-keys`` to ``parser``."""
+    """Add ``--listen``, ``--join`` and ``--curve-keys`` to ``parser``. Never raises."""
     parser.add_argument(
         "--listen",
         metavar="tcp://HOST:PORT",
@@ -64,7 +64,7 @@ def add_listen_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_ray_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--ray ADDRESS`` to ``parser``."""
+    """Add ``--ray ADDRESS`` to ``parser``. Never raises."""
     parser.add_argument(
         "--ray",
         metavar="ADDRESS",
