@@ -339,9 +339,9 @@ class RayLauncher:
     Ray's object store. That TCP needs ``curve_keys`` unless ``endpoint_host`` is loopback (a
     one-node cluster): each node must hold the key folder at the same path.
 
-    ``start_timeout`` bounds how long joining the cluster, and placing and starting one actor,
-    may take (Ray would wait forever for a cluster that is gone, or for resources none of its
-    nodes has).
+    ``start_timeout`` bounds how long joining the cluster, reserving the ranks' resources, and
+    placing and starting one actor, may take (Ray would wait forever for a cluster that is
+    gone, or for resources none of its nodes has); a rank's restart waits for Ray unbounded.
 
     Not for the trio backend: it waits on Ray's futures through asyncio (default loop or
     uvloop), like the rest of the runtime.
@@ -478,9 +478,14 @@ class RayLauncher:
 
         Cancel-safe: a start cancelled before the actor runs kills the actor.
 
+        A restart (``config.generation`` above 1) waits with no bound for Ray to start the
+        actor: after a node is lost, the rank's bundle waits for a node that fits it, which may
+        join later; the pool reports the rank as restarting meanwhile.
+
         Raises:
-            WorkerLost: Ray did not reserve the ranks' resources, or start the actor, within
-                ``start_timeout`` (no node has them free), or the actor died while starting.
+            WorkerLost: Ray did not reserve the ranks' resources, or start the actor of a first
+                start, within ``start_timeout`` (no node has them free), or the actor died while
+                starting.
         """
         ray = self._ray
         if self._actor is None:
@@ -508,8 +513,11 @@ class RayLauncher:
         handle = _ActorHandle(ray, actor, run_ref, options["name"])
         self._handles = [h for h in self._handles if h.returncode is None] + [handle]
         pid = _watch(pid_ref)
+        # A first start is bounded; a restart waits for Ray as long as it takes: the rank's
+        # bundle may be waiting for a node that fits it to join (its node was lost).
+        bound = self.start_timeout if config.generation <= 1 else None
         try:
-            with anyio.fail_after(self.start_timeout):
+            with anyio.fail_after(bound):
                 await _until_done(pid)
             handle._pid = int(pid.result())
         except TimeoutError:
