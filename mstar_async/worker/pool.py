@@ -473,8 +473,8 @@ class WorkerPool:
 
     def _walk_cancel(self, rank: int, walk_id: int) -> None:
         if walk_id in self._unsent:
-            # Its start still waits for a rank that is restarting (a segment whose peer was
-            # lost): no worker has it, so it ends here, and its start is never sent.
+            # Its start is not sent yet (it waits for a rank that is restarting, e.g. a
+            # segment whose peer was lost): no worker has it, so it ends here, unsent.
             _, sink = self._walks.pop(walk_id)
             self._walk_gone(walk_id)
             sink.end({}, None)
