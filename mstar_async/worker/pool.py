@@ -51,6 +51,7 @@ from mstar_async.transport import (
     ZmqHub,
     decode_message,
 )
+from mstar_async.transport.secure import is_loopback
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
@@ -178,9 +179,10 @@ class WorkerPool:
                 self._endpoint = self._server.endpoint
             else:
                 # With keys, every interface, since the address workers dial may not be one
-                # this host can bind by name; without, only the host named, which must then be
-                # loopback (the hub refuses others). Workers are told the host the launcher
-                # named (and its port, when it names one: a firewall may allow only that one).
+                # this host can bind by name, unless that is loopback (all on this host);
+                # without, only the host named, which must then be loopback (the hub refuses
+                # others). Workers are told the host the launcher named (and its port, when it
+                # names one: a firewall may allow only that one).
                 fixed = "0"
                 if host.startswith("tcp://"):
                     host, _, fixed = host.removeprefix("tcp://").rpartition(":")
@@ -188,8 +190,9 @@ class WorkerPool:
                 if keys is None:
                     self._server = self._hub.bind(f"tcp://{host}:{fixed}")
                 else:
+                    where = host if is_loopback(host) else "0.0.0.0"
                     self._server = self._hub.bind(
-                        f"tcp://0.0.0.0:{fixed}", curve=keys.runtime_server()
+                        f"tcp://{where}:{fixed}", curve=keys.runtime_server()
                     )
                     self._curve_folder = "" if keys.folder is None else str(keys.folder)
                     self._curve_material = {} if keys.folder else keys.worker_material()
