@@ -1,5 +1,7 @@
 """Shared test setup.
 
+Ray stays on loopback: see ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` below.
+
 Every async test runs on the default asyncio loop. Those of ``UVLOOP_FOLDERS`` (the transport,
 the conductor and the runtime, where the loop's own machinery is exercised: sockets, futures
 woken from threads, cancellation) and those marked ``uvloop`` run on uvloop as well; worker
@@ -9,10 +11,16 @@ processes always run uvloop, whatever the test's loop. A test that parametrizes
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Ray, wherever a test starts or joins it, uses 127.0.0.1 for every service rather than this
+# host's own address (on Linux it registers the host's address unless this is 0); set before
+# anything imports ray, and inherited by every process a test starts (`mstar serve`, workers).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 #: Folders under tests/ whose async tests run on both loops.
 UVLOOP_FOLDERS = frozenset({"transport", "conductor", "runtime"})

@@ -13,6 +13,9 @@ all at once, to:
   the LM keeps going.
 - ``streaming_split``: the same, with the LM and SNAC on worker processes of their own (a
   placement; the conductor stays in this process): as many compute processes as the pipeline.
+  With ``ray`` (a cluster's address), those two ranks are Ray actors on two different nodes of
+  that cluster (placement strategy STRICT_SPREAD), talking ZeroMQ TCP with CURVE keys made for
+  the run: the codec on another node than the LM.
 - ``non_streaming`` (baseline a): the same weights in one process, but each request decodes all
   of its codes first (the same LM walk, run to completion) and only then vocodes the whole
   utterance (SNAC over all its windows at once): one audio chunk per request.
@@ -68,6 +71,7 @@ from mstar_async.models.orpheus.vocab import prompt_text
 from mstar_async.outputs import AudioChunk, LatentOutput
 from mstar_async.placement import Placement
 from mstar_async.runtime import Runtime, open_runtime
+from mstar_async.worker.launchers import Launcher
 
 Progress = Callable[[str], None]
 
@@ -105,6 +109,7 @@ class SpeechConfig:
     systems: tuple[str, ...] = SYSTEMS
     quantize: str | None = None
     encoders: str = "seeded"
+    ray: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -120,6 +125,8 @@ class SpeechConfig:
             raise ValueError(f"quantize is measured for orpheus only, not {self.model}")
         if self.encoders != "seeded" and self.model != "qwen3-tts":
             raise ValueError(f"encoders applies to qwen3-tts only, not {self.model}")
+        if self.ray is not None and "streaming_split" not in self.systems:
+            raise ValueError("ray runs streaming_split's ranks on a cluster: measure that system")
         if not self.concurrency or min((*self.concurrency, self.max_tokens, self.threads)) < 1:
             raise ValueError(f"concurrency, max_tokens and threads must be >= 1: {self}")
 
@@ -673,6 +680,15 @@ _DESCRIPTIONS = {
 }
 
 
+def _describe(system: str, config: SpeechConfig) -> str:
+    if system == "streaming_split" and config.ray is not None:
+        return (
+            f"{_DESCRIPTIONS[system]}, as Ray actors on two nodes of the cluster at {config.ray} "
+            "(STRICT_SPREAD), over ZeroMQ TCP with CURVE"
+        )
+    return _DESCRIPTIONS[system]
+
+
 def _ratios(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {"throughput": {}, "rtf_p50": {}, "ttfa_p50": {}}
     for ours in OURS:
@@ -712,13 +728,18 @@ async def _warm(runtime: Runtime, inputs: dict[str, Any]) -> None:
 
 
 async def _round(
-    config: SpeechConfig, systems: _Systems, n: int, prompts: Sequence[str], progress: Progress
+    config: SpeechConfig,
+    systems: _Systems,
+    index: int,
+    n: int,
+    prompts: Sequence[str],
+    progress: Progress,
 ) -> dict[str, Any]:
     requests = [request_inputs(config, i, prompts) for i in range(n)]
     figures: dict[str, dict[str, Any]] = {}
     # Each round starts with another system: a shared machine's load drifts, and whoever ran
     # first at every N would meet the same part of the drift.
-    shift = config.concurrency.index(n) % len(config.systems)
+    shift = index % len(config.systems)
     for system in (*config.systems[shift:], *config.systems[:shift]):
         figures[system] = f = await _measure(system, systems, requests)
         progress(
@@ -748,9 +769,11 @@ async def _open(config: SpeechConfig, stack: AsyncExitStack, progress: Progress)
     systems.streaming = await stack.enter_async_context(open_runtime(model))
     await _warm(systems.streaming, warm)
     if "streaming_split" in config.systems:
-        placement = Placement(nodes={_CODEC_NODE[config.model]: 1})
+        placement, launcher = _split_layout(config)
         split = build_model(config.model, size=config.size, **options)
-        systems.split = await stack.enter_async_context(open_runtime(split, placement=placement))
+        systems.split = await stack.enter_async_context(
+            open_runtime(split, placement=placement, launcher=launcher)
+        )
         await _warm(systems.split, warm)
     if "non_streaming" in config.systems:
         baseline = codes_model(config.size, vocode=True, quantize=config.quantize)
@@ -762,6 +785,20 @@ async def _open(config: SpeechConfig, stack: AsyncExitStack, progress: Progress)
     return systems
 
 
+def _split_layout(config: SpeechConfig) -> tuple[Placement, Launcher | None]:
+    """``streaming_split``'s placement (the codec on rank 1), and with ``config.ray`` the
+    launcher that puts its two ranks on two nodes of that Ray cluster."""
+    node = _CODEC_NODE[config.model]
+    if config.ray is None:
+        return Placement(nodes={node: 1}), None
+    from mstar_async.transport import CurveKeys
+    from mstar_async.worker.launchers import RayLauncher
+
+    placement = Placement(nodes={node: 1}, strategy="STRICT_SPREAD")
+    keys = CurveKeys.for_run()
+    return placement, RayLauncher.for_placement(placement, config.ray, curve_keys=keys)
+
+
 async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
     machine = machine_info()
     prompts = load_prompts()
@@ -769,8 +806,8 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     async with AsyncExitStack() as stack:
         systems = await _open(config, stack, progress)
-        for n in config.concurrency:
-            results.append(await _round(config, systems, n, prompts, progress))
+        for index, n in enumerate(config.concurrency):
+            results.append(await _round(config, systems, index, n, prompts, progress))
         voices = None
         if config.model == "qwen3-tts":
             voices = await _voices(config, systems, prompts, progress)
@@ -787,7 +824,7 @@ async def _run(config: SpeechConfig, progress: Progress) -> dict[str, Any]:
             else "greedy text, seeded speech, ignore_eos",
         },
         machine=machine,
-        systems=[system_entry(name, _DESCRIPTIONS[name]) for name in config.systems],
+        systems=[system_entry(name, _describe(name, config)) for name in config.systems],
         results=results,
         aims=_aims(results) + (voices["aims"] if voices else []),
         seconds=time.perf_counter() - started,

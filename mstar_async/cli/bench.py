@@ -145,6 +145,15 @@ def _concurrency(text: str) -> tuple[int, ...]:
     return values
 
 
+def _systems(text: str) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"expected system names like streaming,sequential: {text!r}"
+        )
+    return values
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -517,6 +526,18 @@ def _add_speech_parser(kinds: Any) -> None:
         help="qwen3-tts: the voice encoders at the seeded size's shapes (default) or the "
         "released checkpoints' (what cloning inline costs with real encoders)",
     )
+    speech.add_argument(
+        "--systems",
+        type=_systems,
+        help="comma-separated systems to measure (default: all the model runs): streaming, "
+        "streaming_split, non_streaming, pipeline, sequential",
+    )
+    speech.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="streaming_split's two ranks as Ray actors on two nodes of this cluster (auto or "
+        "HOST:PORT; STRICT_SPREAD: the codec on another node than the LM)",
+    )
     speech.add_argument("--plot", type=Path, help="also draw RTF and TTFA to this PNG")
 
 
@@ -531,6 +552,8 @@ def _speech(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, Any
         threads=args.threads,
         quantize=args.quantize,
         encoders=args.encoders,
+        systems=args.systems,
+        ray=args.ray,
     )
     report = module.run_speech_sync(config, ProgressLog())
     if args.plot is not None and module.plot_report(report, args.plot):

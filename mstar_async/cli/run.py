@@ -31,14 +31,13 @@ from typing import Any
 
 from mstar_async.audio import EXTENSIONS as AUDIO_EXTENSIONS
 from mstar_async.audio import write_audio
-from mstar_async.cli.keys import add_curve_keys_option, load_curve_keys
+from mstar_async.cli.launch import add_listen_options, remote_launcher
 from mstar_async.errors import MstarError
 from mstar_async.graph import Model
 from mstar_async.logs import muted
 from mstar_async.models import ModelEntry, build_model, list_models, model_entry
 from mstar_async.outputs import ActionOutput, AudioChunk, ImageOutput, LatentOutput, TextDelta
 from mstar_async.placement import Placement
-from mstar_async.transport.secure import check_listen
 from mstar_async.worker.launchers import Launcher
 from mstar_async.worker.remote import RemoteLauncher
 
@@ -78,23 +77,7 @@ def add_run_parser(sub: Any) -> None:
         metavar="FILE",
         help="a placement YAML: run its ranks as worker processes (default: all in this one)",
     )
-    run.add_argument(
-        "--listen",
-        metavar="tcp://HOST:PORT",
-        help=(
-            "with --placement: ranks whose hosts: entry is another host join here over TCP "
-            "(run 'mstar worker --conductor tcp://THIS_HOST:PORT --rank N' on each)"
-        ),
-    )
-    run.add_argument(
-        "--join",
-        metavar="RANKS",
-        help=(
-            "with --listen: the ranks that join over TCP, comma-separated (default: those "
-            "hosts: puts on other hosts); e.g. 0,1 to try it all on one host"
-        ),
-    )
-    add_curve_keys_option(run, "the --listen sockets and the workers' traffic")
+    add_listen_options(run)
     run.set_defaults(handler=_run)
 
 
@@ -403,13 +386,6 @@ def _print(summary: RunSummary, as_json: bool) -> None:
         )
 
 
-def _ranks(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise MstarError(f"--join takes ranks like 0,1; got {text!r}") from None
-
-
 @dataclass
 class _Plan:
     """A checked ``mstar run``: the model built, its inputs typed, where outputs go."""
@@ -420,32 +396,6 @@ class _Plan:
     output: Path | None = None
     placement: Placement | None = None
     launcher: RemoteLauncher | None = None
-
-
-def _launcher(args: argparse.Namespace, placement: Placement | None) -> RemoteLauncher | None:
-    """The launcher ``--listen`` and ``--join`` ask for, or None.
-
-    Raises:
-        MstarError: one is given without what it needs, a value is wrong, the key folder
-            cannot be used, or ``--listen`` is not loopback and there are no keys.
-    """
-    if args.listen is None:
-        if args.join is not None:
-            raise MstarError("--join needs --listen: the address the ranks join")
-        return None
-    if placement is None:
-        raise MstarError("--listen needs --placement: its hosts: say which ranks join")
-    keys = load_curve_keys(args.curve_keys)
-    try:
-        if args.join is not None:
-            launcher = RemoteLauncher(args.listen, ranks=_ranks(args.join), curve_keys=keys)
-        else:
-            launcher = RemoteLauncher.for_placement(placement, args.listen, curve_keys=keys)
-    except ValueError as exc:
-        raise MstarError(f"--join {args.join}: {exc}") from None
-    if keys is None:  # before the model is built: its open() would refuse only after that
-        check_listen(f"tcp://{launcher.listen_host}:{launcher.listen_port}")
-    return launcher
 
 
 def _build(entry: ModelEntry, options: dict[str, Any]) -> Model:
@@ -472,7 +422,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> _Plan:
     if missing:
         raise MstarError(f"model {entry.name!r} needs {' and '.join(missing)}")
     placement = None if args.placement is None else Placement.from_yaml(args.placement)
-    launcher = _launcher(args, placement)
+    launcher = remote_launcher(args, placement)
     model = _build(entry, options)
     inputs = typed_inputs(model, pairs)
     return _Plan(model, inputs, writer, output, placement, launcher)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mstar_async.cli.launch import add_listen_options, add_ray_option, launcher_factories
 from mstar_async.errors import MstarError
 from mstar_async.placement import Placement
 
@@ -67,7 +68,8 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--path",
         help="a real checkpoint of the model (one model only; e.g. a Llama/Qwen2 HF folder "
-        "for causal-lm)",
+        "for causal-lm); with --placement every rank reads it at this same path on its own "
+        "node (--ray, --listen: copy or mount it there)",
     )
     serve.add_argument(
         "--quantize",
@@ -82,6 +84,8 @@ def add_serve_parser(sub: Any) -> None:
         metavar="[MODEL=]FILE",
         help="a placement YAML file for a model (without MODEL=: the only model served)",
     )
+    add_ray_option(serve)
+    add_listen_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     serve.add_argument(
@@ -206,6 +210,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
         if args.quantize is not None and entry.name in takers:
             option["quantize"] = args.quantize
     where = placements(args.models, args.placement)
+    launchers = launcher_factories(args, where)
     check_port(args.host, args.port)
     specs = []
     for entry, option in zip(entries, options, strict=True):
@@ -213,7 +218,10 @@ def _specs(args: argparse.Namespace) -> list[Any]:
             model = build_model(entry.name, **option)
         except (ValueError, TypeError, OSError) as exc:
             raise MstarError(f"cannot build {entry.name}: {exc}") from None
-        specs.append(ModelSpec(model, placement=where.get(entry.name)))
+        spec = ModelSpec(
+            model, placement=where.get(entry.name), make_launcher=launchers.get(entry.name)
+        )
+        specs.append(spec)
     return specs
 
 

@@ -18,6 +18,10 @@ optional; an empty document puts everything on rank 0 (``Placement.single()``)::
       1: cuda:0
     hosts:              # rank -> host address, for TCP across hosts; a rank without one is
       1: 10.0.0.2       #   on the local host and talks over IPC only
+    strategy: SPREAD    # on Ray: how the ranks spread over nodes (PACK, the default, SPREAD,
+                        #   STRICT_PACK, STRICT_SPREAD: Ray's placement-group strategies)
+    resources:          # on Ray: rank -> what it asks for (CPU, GPU, memory in bytes, custom
+      1: {CPU: 2, GPU: 1, node_b: 1}  #   resources); a rank without CPU asks for one CPU
 
 What it expresses: everything in one process; encoder/decoder disaggregation (``codec: 1``);
 prefill/decode disaggregation (the ``lm`` engine on rank 0 in walk ``prefill`` and on rank 1 in
@@ -30,6 +34,8 @@ with ``ReplicaRouter`` picking the least loaded replica per request and keeping 
 
 - ``ranks`` is below 1, or a rank is negative, out of range, not an int or listed twice;
 - a device is not ``cpu``/``cuda``/``mps``/``xpu`` with an optional ``:N``; a host is empty;
+- ``strategy`` is not one of ``STRATEGIES``; a resource amount is negative or no number, a
+  resource name is a lower-case ``cpu``/``gpu``, or a rank's resources ask for nothing;
 - the document has an unknown key, or ``model:`` names another model;
 - ``nodes`` names an unknown node, ``walks`` an unknown walk or a node that walk does not run;
 - two nodes of one engine in one walk sit on different ranks (a request's engine state cannot
@@ -48,10 +54,11 @@ from __future__ import annotations
 
 from mstar_async.placement.resolve import Link, Migration, ResolvedPlacement, can_talk
 from mstar_async.placement.router import ReplicaRouter, Route
-from mstar_async.placement.spec import KEYS, Placement, RankSpec
+from mstar_async.placement.spec import KEYS, STRATEGIES, Placement, RankSpec
 
 __all__ = [
     "KEYS",
+    "STRATEGIES",
     "Link",
     "Migration",
     "Placement",

@@ -26,7 +26,15 @@ if TYPE_CHECKING:
 RankSpec: TypeAlias = int | Sequence[int]
 
 #: The top-level keys of a placement document, in the order ``to_dict`` writes them.
-KEYS = ("model", "ranks", "nodes", "walks", "devices", "hosts")
+KEYS = ("model", "ranks", "nodes", "walks", "devices", "hosts", "strategy", "resources")
+
+#: How a cluster engine (Ray) spreads a placement's ranks over its nodes: Ray's placement-group
+#: strategies. PACK (the default) puts the ranks on as few nodes as fit them, SPREAD on as many;
+#: the STRICT forms fail rather than do otherwise.
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+#: The CPUs a rank asks a cluster for when ``resources`` does not say.
+DEFAULT_CPUS = 1.0
 
 # torch.device accepts more (e.g. "meta", "hpu"), but a worker only runs on these; the index
 # is checked for form only, since whether cuda:3 exists is known on the worker, not here.
@@ -89,6 +97,54 @@ def _check_range(where: str, ranks: tuple[int, ...], count: int) -> None:
             )
 
 
+def _amount(where: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise PlacementError(
+            f"placement: {where} is {value!r}; write a number >= 0 (memory: in bytes)"
+        )
+    return float(value) if isinstance(value, float) else int(value)
+
+
+#: Lower-case spellings of Ray's own resource names, which are case-sensitive.
+_RAY_NAMES = {"cpu": "CPU", "gpu": "GPU", "cpus": "CPU", "gpus": "GPU", "mem": "memory"}
+
+
+def _rank_resources(rank: int, value: object) -> dict[str, float]:
+    """One rank's ``resources:`` entry, checked: resource name -> amount."""
+    if not isinstance(value, Mapping):
+        raise PlacementError(
+            f"placement: resources.{rank} must map resource names to amounts, e.g. "
+            f"{{CPU: 1, GPU: 1}}; got {value!r}"
+        )
+    out: dict[str, float] = {}
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise PlacementError(
+                f"placement: resources.{rank} has the resource name {name!r}; write CPU, GPU, "
+                "memory or a custom resource's name"
+            )
+        if name in _RAY_NAMES:
+            raise PlacementError(
+                f"placement: resources.{rank}.{name}: resource names are case-sensitive; "
+                f"write {_RAY_NAMES[name]}"
+            )
+        out[name] = _amount(f"resources.{rank}.{name}", amount)
+    if not any(out.get(name, DEFAULT_CPUS if name == "CPU" else 0) > 0 for name in {*out, "CPU"}):
+        raise PlacementError(
+            f"placement: resources.{rank} asks for nothing; a rank needs some resource "
+            "(leave CPU out for one CPU)"
+        )
+    return out
+
+
+def _strategy(value: object) -> str:
+    if not isinstance(value, str) or value.upper() not in STRATEGIES:
+        raise PlacementError(
+            f"placement: strategy is {value!r}; write one of {', '.join(STRATEGIES)}"
+        )
+    return value.upper()
+
+
 def _plain(ranks: tuple[int, ...]) -> int | list[int]:
     return ranks[0] if len(ranks) == 1 else list(ranks)
 
@@ -105,12 +161,19 @@ class Placement:
     is written for, and ``validate`` refuses any other. ``ranks`` defaults to one more than the
     highest rank named anywhere (1 if none).
 
+    On a cluster engine (``RayLauncher``), ``resources`` says what each rank asks for, by Ray's
+    resource names (``CPU``, ``GPU``, ``memory`` in bytes, custom ones such as ``node_a``; a
+    rank without ``CPU`` asks for one CPU, see ``resources_for``), and ``strategy`` how the
+    ranks spread over the nodes (one of ``STRATEGIES``, default ``PACK``).
+
     Rank lists are kept sorted; the mappings are read-only.
 
     Raises:
         PlacementError: ``ranks`` is below 1; a rank is not an int, is out of range or listed
             twice for one node; a node lists no rank; a device is not ``cpu``, ``cuda``, ``mps``
-            or ``xpu`` (optionally ``:N``); a host is empty or holds spaces.
+            or ``xpu`` (optionally ``:N``); a host is empty or holds spaces; ``strategy`` is
+            not one of ``STRATEGIES``; a resource amount is negative or not a number, a
+            resource name is a lower-case spelling of CPU or GPU, or a rank asks for nothing.
     """
 
     ranks: int
@@ -119,6 +182,8 @@ class Placement:
     devices: Mapping[int, str]
     hosts: Mapping[int, str]
     model: str | None
+    strategy: str
+    resources: Mapping[int, Mapping[str, float]]
 
     def __init__(
         self,
@@ -128,6 +193,8 @@ class Placement:
         devices: Mapping[int, str] | None = None,
         hosts: Mapping[int, str] | None = None,
         model: str | None = None,
+        strategy: str = "PACK",
+        resources: Mapping[int, Mapping[str, float]] | None = None,
     ) -> None:
         node_map = {
             _name("node", n): _rank_tuple(f"nodes.{n}", r) for n, r in (nodes or {}).items()
@@ -144,12 +211,21 @@ class Placement:
             }
         device_map = {_rank_key("devices", k): v for k, v in (devices or {}).items()}
         host_map = {_rank_key("hosts", k): v for k, v in (hosts or {}).items()}
+        if resources is not None and not isinstance(resources, Mapping):
+            raise PlacementError(
+                "placement: resources must map ranks to resources, e.g. {1: {GPU: 1}}; "
+                f"got {resources!r}"
+            )
+        resource_map = {
+            (rank := _rank_key("resources", k)): _rank_resources(rank, v)
+            for k, v in (resources or {}).items()
+        }
         if model is not None:
             _name("model", model)
 
         named = [r for rs in node_map.values() for r in rs]
         named += [r for w in walk_map.values() for rs in w.values() for r in rs]
-        named += [*device_map, *host_map]
+        named += [*device_map, *host_map, *resource_map]
         if ranks is None:
             ranks = max(named, default=0) + 1
         if not _is_int(ranks) or ranks < 1:
@@ -176,6 +252,8 @@ class Placement:
                     f"placement: hosts.{rank} is {host!r}; write a host name or IP address "
                     "(no spaces, no scheme)"
                 )
+        for rank in resource_map:
+            _check_range("resources", (rank,), ranks)
 
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "nodes", MappingProxyType(node_map))
@@ -184,6 +262,9 @@ class Placement:
         object.__setattr__(self, "devices", MappingProxyType(dict(sorted(device_map.items()))))
         object.__setattr__(self, "hosts", MappingProxyType(dict(sorted(host_map.items()))))
         object.__setattr__(self, "model", model)
+        object.__setattr__(self, "strategy", _strategy(strategy))
+        frozen_resources = {r: MappingProxyType(v) for r, v in sorted(resource_map.items())}
+        object.__setattr__(self, "resources", MappingProxyType(frozen_resources))
 
     def __hash__(self) -> int:
         # The generated hash would fail on the mapping fields; hash their sorted contents.
@@ -195,8 +276,16 @@ class Placement:
                 tuple(self.devices.items()),
                 tuple(self.hosts.items()),
                 self.model,
+                self.strategy,
+                tuple((r, tuple(sorted(v.items()))) for r, v in self.resources.items()),
             )
         )
+
+    def resources_for(self, rank: int) -> dict[str, float]:
+        """What ``rank`` asks a cluster for: its ``resources`` entry, with one CPU
+        (``DEFAULT_CPUS``) unless the entry says ``CPU``; zero amounts left out. Never raises."""
+        asked = {"CPU": DEFAULT_CPUS, **self.resources.get(rank, {})}
+        return {name: amount for name, amount in asked.items() if amount > 0}
 
     @classmethod
     def single(cls) -> Placement:
@@ -221,7 +310,7 @@ class Placement:
                 f"placement has unknown key(s) {unknown}; the keys are {list(KEYS)}"
             )
         sections: dict[str, Mapping[Any, Any]] = {}
-        for key in ("nodes", "walks", "devices", "hosts"):
+        for key in ("nodes", "walks", "devices", "hosts", "resources"):
             value = data.get(key)
             if value is None:
                 value = {}
@@ -235,6 +324,8 @@ class Placement:
             devices=sections["devices"],
             hosts=sections["hosts"],
             model=data.get("model"),
+            strategy=data.get("strategy") or "PACK",
+            resources=sections["resources"],
         )
 
     @classmethod
@@ -290,6 +381,10 @@ class Placement:
             out["devices"] = dict(self.devices)
         if self.hosts:
             out["hosts"] = dict(self.hosts)
+        if self.strategy != "PACK":
+            out["strategy"] = self.strategy
+        if self.resources:
+            out["resources"] = {r: dict(v) for r, v in self.resources.items()}
         return out
 
     def to_yaml(self) -> str:

@@ -94,8 +94,8 @@ def create_app(
     index, shared by every process given the same directory), within ``voice_limits``.
 
     Raises:
-        ValueError: no models, two under one name, a bound below 1, or ``stall_after_s`` not
-            positive.
+        ValueError: no models, two under one name, a bound below 1, ``stall_after_s`` not
+            positive, or a model with ``make_launcher`` but no placement.
     """
     if not models:
         raise ValueError("serve at least one model")
@@ -108,6 +108,9 @@ def create_app(
         for option, bound in (("max_concurrent", limits), ("max_text_chars", chars)):
             if bound[name] < 1:
                 raise ValueError(f"{option} of {name!r} must be >= 1, got {bound[name]}")
+    for spec in models:
+        if spec.make_launcher is not None and spec.placement is None:
+            raise ValueError(f"{spec.served_name!r} has a launcher but no placement: give one")
     if not stall_after_s > 0:
         raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
     state = ServerState(stall_after_s=stall_after_s)
@@ -121,8 +124,9 @@ def create_app(
                 name = spec.served_name
                 say(f"loading {name} ...")
                 started = time.perf_counter()
+                launcher = None if spec.make_launcher is None else spec.make_launcher()
                 runtime = await stack.enter_async_context(
-                    open_runtime(spec.model, placement=spec.placement)
+                    open_runtime(spec.model, placement=spec.placement, launcher=launcher)
                 )
                 served = ServedModel(name, runtime, Admission(limits[name]), chars[name])
                 state.models.add(served)

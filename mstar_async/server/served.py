@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from mstar_async.server.errors import APIError
 from mstar_async.server.program_inputs import ProgramInputs
 
 if TYPE_CHECKING:
-    pass
+    from mstar_async.worker.launchers import Launcher
 
 #: Requests one model serves at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT = 64
@@ -30,13 +30,17 @@ DEFAULT_MAX_TEXT_CHARS = 4096
 class ModelSpec:
     """A model to serve: under ``name`` (default: the model's own), with an optional placement,
     its own in-flight bound and its own speech text limit in characters (defaults: the
-    server's)."""
+    server's). ``make_launcher``, with a placement, makes the launcher that starts the model's
+    ranks (e.g. ``lambda: RayLauncher.for_placement(placement, "auto", curve_keys=keys)``),
+    called each time the model's runtime opens, since a launcher serves one runtime; None:
+    child processes of the server's."""
 
     model: Model
     name: str | None = None
     placement: Placement | None = None
     max_concurrent: int | None = None
     max_text_chars: int | None = None
+    make_launcher: Callable[[], Launcher] | None = None
 
     @property
     def served_name(self) -> str:

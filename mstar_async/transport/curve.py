@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,9 +61,11 @@ class CurveKeys:
     The four methods give each socket its part: ``runtime_server`` for the runtime's sockets
     that workers dial, ``runtime_client`` for a worker dialing them, ``peer_server`` and
     ``peer_client`` for tensors between workers.
+
+    ``folder`` is None for keys made for one run (``for_run``), which live in memory only.
     """
 
-    folder: Path
+    folder: Path | None
     runtime_public: bytes
     worker_public: bytes
     runtime_secret: bytes | None = field(default=None, repr=False)
@@ -92,6 +95,47 @@ class CurveKeys:
             publics["worker"],
             secrets["runtime"],
             secrets["worker"],
+        )
+
+    @classmethod
+    def for_run(cls) -> CurveKeys:
+        """Fresh runtime and worker keypairs, in memory only: for a runtime that starts its
+        workers itself and hands each what it needs (``worker_material``). Never raises."""
+        runtime_public, runtime_secret = zmq.curve_keypair()
+        worker_public, worker_secret = zmq.curve_keypair()
+        return cls(None, runtime_public, worker_public, runtime_secret, worker_secret)
+
+    def worker_material(self) -> dict[str, str]:
+        """What a worker needs, as text (Z85): the runtime's public key and the worker keypair,
+        never the runtime's secret key. ``from_material`` reads it back.
+
+        Raises:
+            TransportError: the worker's secret key is not held here.
+        """
+        return {
+            "runtime_public": self.runtime_public.decode(),
+            "worker_public": self.worker_public.decode(),
+            "worker_secret": self._secret("worker").decode(),
+        }
+
+    @classmethod
+    def from_material(cls, material: Mapping[str, str]) -> CurveKeys:
+        """The keys ``worker_material`` wrote (no folder, no runtime secret).
+
+        Raises:
+            TransportError: a key is missing or not a 40-character Z85 key.
+        """
+        keys: dict[str, bytes] = {}
+        for name in ("runtime_public", "worker_public", "worker_secret"):
+            value = material.get(name)
+            if not isinstance(value, str) or len(value) != 40:
+                raise TransportError(f"the worker's CURVE key material lacks a valid {name}")
+            keys[name] = value.encode()
+        return cls(
+            None,
+            keys["runtime_public"],
+            keys["worker_public"],
+            worker_secret=keys["worker_secret"],
         )
 
     def runtime_server(self) -> CurveServer:
@@ -131,6 +175,8 @@ class CurveKeys:
 
     def _secret(self, name: str) -> bytes:
         secret = self.runtime_secret if name == "runtime" else self.worker_secret
+        if secret is None and self.folder is None:
+            raise TransportError(f"these CURVE keys, made for one run, hold no {name} secret key")
         if secret is None:
             raise TransportError(
                 f"the CURVE key folder {self.folder} has no {name}.key_secret, which this "

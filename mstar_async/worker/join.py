@@ -240,7 +240,8 @@ def _accept(
         source=source.to_dict(),
         endpoint=f"tcp://{welcome.data_host or host}:{welcome.data_port}",
         parent_pid=0,  # no parent to follow across hosts: the heartbeat does that job
-        curve_keys=str(curve_keys.folder) if curve_keys is not None else "",
+        curve_keys=str(curve_keys.folder or "") if curve_keys is not None else "",
+        curve_material={},
     )
 
 

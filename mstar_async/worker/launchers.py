@@ -5,12 +5,14 @@ A launcher turns a ``WorkerConfig`` into a running worker and hands back a ``Wor
 connects a DEALER to the pool's ROUTER and step tensors travel over ZeroMQ, IPC on one host or
 TCP across hosts. A launcher only places, starts and stops workers; it never carries a tensor.
 Its ``curve_keys`` secure the TCP sockets: the pool binds with them and tells each worker the
-key folder's path, where the worker (on its own host) loads them.
+key folder's path, where the worker (on its own host) loads them, or, for keys made for the
+run (``CurveKeys.for_run``), the worker's keys themselves in its configuration.
 
 - ``LocalLauncher`` (the default) runs each rank as a child process of this one.
-- ``RayLauncher`` runs each rank as a Ray actor on an existing Ray cluster, which puts it on a
-  node with the rank's resources (CPUs, GPUs, custom resources) free. Ray is an optional extra
-  (``pip install 'mstar-async[ray]'``); importing this module never imports it.
+- ``RayLauncher`` runs each rank as a Ray actor on an existing Ray cluster, in one placement
+  group per pool (a bundle per rank: its CPUs, GPUs, custom resources; PACK or SPREAD). Ray is
+  an optional extra (``pip install 'mstar-async[ray]'``); importing this module never imports
+  it.
 - ``RemoteLauncher`` (``mstar_async.worker.remote``) starts nothing: workers that users run on
   other hosts (``mstar worker``) join over plain TCP.
 """
@@ -34,8 +36,10 @@ from anyio.abc import Process
 
 from mstar_async.errors import MstarError, WorkerLost
 from mstar_async.logs import get_logger
+from mstar_async.placement import STRATEGIES, Placement
 from mstar_async.transport import CurveKeys
 from mstar_async.worker.main import CONFIG_VARIABLE, WorkerConfig, run_worker
+from mstar_async.worker.ray_group import RankGroup, bundle_of
 
 __all__ = ["Launcher", "LocalLauncher", "RayLauncher", "WorkerHandle"]
 
@@ -174,7 +178,12 @@ class LocalLauncher:
 # ------------------------------------------------------------------------------------ ray
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        MstarError: Ray is not installed (the message says what to install).
+    """
     # Through importlib so that neither importing this module nor type-checking it needs Ray,
     # which ships incomplete types; everything Ray hands back is typed Any here.
     try:
@@ -218,6 +227,7 @@ class _ActorHandle:
         self.actor = actor
         self.name = name
         self._pid: int | None = None
+        self.detail = ""  # why the worker ended, when it raised (the pool shows it)
         self._returncode: int | None = None
         self._killed = False
         self._done = _watch(run_ref)
@@ -240,6 +250,8 @@ class _ActorHandle:
         elif error is not None:
             # serve() raised; Ray has already logged its traceback with the actor's output.
             self._returncode = 1
+            cause = getattr(error, "cause", None) or error
+            self.detail = f"{type(cause).__name__}: {cause}"
         else:
             self._returncode = int(future.result())
         # The actor outlives its method: end it so that its CPUs and GPUs go back to the
@@ -313,24 +325,31 @@ class RayLauncher:
     Each rank asks Ray for ``num_cpus_per_rank`` CPUs and ``num_gpus_per_rank`` GPUs, or for
     what ``resources_per_rank[rank]`` says: Ray's resource names, ``"CPU"``, ``"GPU"``,
     ``"memory"`` (bytes) and custom ones, e.g. ``{1: {"GPU": 1, "node:10.0.0.2": 0.01}}`` pins
-    rank 1 to that node. A rank's torch thread count is its CPU count. A GPU rank sees only the
-    GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``): ``cuda:0`` there is the first of its own.
+    rank 1 to that node. A rank's torch thread count is its CPU count. The ranks' resources are
+    reserved together, as one Ray placement group per pool (bundle ``i``: rank ``i``'s
+    resources) with ``strategy`` (one of ``STRATEGIES``: PACK, the default, puts the ranks on
+    as few nodes as fit them, SPREAD on as many), made at the pool's first start and removed
+    on ``aclose``; each rank's actor runs in its bundle. When a node dies, Ray moves its
+    bundles to a live node that fits them, and the rank the pool restarts runs there.
+    ``for_placement`` takes the resources and strategy from a ``Placement``. A GPU rank sees
+    only the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``): ``cuda:0`` there is the first of its own.
 
     Workers connect to the pool over ZeroMQ TCP at ``endpoint_host`` (default: this node's
     address as Ray knows it), which every node must be able to reach. Tensors never go through
     Ray's object store. That TCP needs ``curve_keys`` unless ``endpoint_host`` is loopback (a
     one-node cluster): each node must hold the key folder at the same path.
 
-    ``start_timeout`` bounds how long joining the cluster, and placing and starting one actor,
-    may take (Ray would wait forever for a cluster that is gone, or for resources none of its
-    nodes has).
+    ``start_timeout`` bounds how long joining the cluster, reserving the ranks' resources, and
+    placing and starting one actor, may take (Ray would wait forever for a cluster that is
+    gone, or for resources none of its nodes has); a rank's restart waits for Ray unbounded.
 
     Not for the trio backend: it waits on Ray's futures through asyncio (default loop or
     uvloop), like the rest of the runtime.
 
     Raises:
         MstarError: Ray is not installed.
-        ValueError: a negative resource amount, or a non-positive ``start_timeout``.
+        ValueError: a negative resource amount, a non-positive ``start_timeout``, or an unknown
+            ``strategy``.
     """
 
     def __init__(
@@ -343,8 +362,9 @@ class RayLauncher:
         endpoint_host: str | None = None,
         start_timeout: float = 120.0,
         curve_keys: CurveKeys | None = None,
+        strategy: str = "PACK",
     ) -> None:
-        self._ray = _import_ray()
+        self._ray = import_ray()
         self.curve_keys = curve_keys
         self.address = address
         self.resources_per_rank = {
@@ -362,11 +382,36 @@ class RayLauncher:
             raise ValueError("num_cpus_per_rank and num_gpus_per_rank must be >= 0")
         if start_timeout <= 0:
             raise ValueError(f"start_timeout must be > 0, got {start_timeout}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        self.strategy = strategy
+        self._group: RankGroup | None = None
+        self._reserving = anyio.Lock()
         self._owns_ray = False
         self._actor: Any = None
         self._handles: list[_ActorHandle] = []
         self._names = itertools.count()
         self._token = uuid.uuid4().hex[:8]
+
+    @classmethod
+    def for_placement(
+        cls, placement: Placement, address: str | None = "auto", **options: Any
+    ) -> RayLauncher:
+        """A launcher for ``placement``'s ranks: its ``resources`` per rank (one CPU where it
+        says none) and its ``strategy``; ``options`` are the other keywords of ``RayLauncher``
+        (``curve_keys``, ``endpoint_host``, ``start_timeout``).
+
+        Raises:
+            MstarError: Ray is not installed.
+            ValueError: as ``RayLauncher``.
+        """
+        return cls(
+            address,
+            resources_per_rank={r: placement.resources_for(r) for r in range(placement.ranks)},
+            num_cpus_per_rank=0,
+            strategy=placement.strategy,
+            **options,
+        )
 
     def resources_for(self, rank: int) -> dict[str, float]:
         """What ``rank``'s actor asks Ray for, by Ray's resource names. Never raises."""
@@ -412,20 +457,43 @@ class RayLauncher:
         host: str = self.endpoint_host or ray.util.get_node_ip_address()
         return host
 
+    async def _reserve(self, ranks: int) -> RankGroup:
+        """The pool's placement group, reserved on the first call (bundle ``i``: rank ``i``).
+
+        Raises:
+            WorkerLost: Ray did not reserve the bundles within ``start_timeout``.
+        """
+        async with self._reserving:
+            if self._group is None:
+                bundles = [bundle_of(self.resources_for(rank)) for rank in range(ranks)]
+                self._group = await RankGroup.reserve(
+                    self._ray, bundles, self.strategy, f"mstar-{self._token}", self.start_timeout
+                )
+            return self._group
+
     async def start(self, config: WorkerConfig) -> WorkerHandle:
-        """Create the rank's actor and start the worker in it; return once the actor runs.
+        """Create the rank's actor in its bundle of the pool's placement group (reserved on the
+        first start, for ``config.ranks`` ranks) and start the worker in it; return once the
+        actor runs.
 
         Cancel-safe: a start cancelled before the actor runs kills the actor.
 
+        A restart (``config.generation`` above 1) waits with no bound for Ray to start the
+        actor: after a node is lost, the rank's bundle waits for a node that fits it, which may
+        join later; the pool reports the rank as restarting meanwhile.
+
         Raises:
-            WorkerLost: Ray did not start the actor within ``start_timeout`` (no node has the
-                rank's resources free), or the actor died while starting.
+            WorkerLost: Ray did not reserve the ranks' resources, or start the actor of a first
+                start, within ``start_timeout`` (no node has them free), or the actor died while
+                starting.
         """
         ray = self._ray
         if self._actor is None:
             self._actor = _actor_class(ray)
+        group = await self._reserve(max(config.ranks, config.rank + 1))
         request = self.resources_for(config.rank)
         options: dict[str, Any] = {
+            "scheduling_strategy": group.strategy_for(config.rank),
             "num_cpus": request.pop("CPU"),
             "num_gpus": request.pop("GPU"),
             # The pool restarts a dead rank with a new generation and identity; a Ray restart
@@ -445,8 +513,11 @@ class RayLauncher:
         handle = _ActorHandle(ray, actor, run_ref, options["name"])
         self._handles = [h for h in self._handles if h.returncode is None] + [handle]
         pid = _watch(pid_ref)
+        # A first start is bounded; a restart waits for Ray as long as it takes: the rank's
+        # bundle may be waiting for a node that fits it to join (its node was lost).
+        bound = self.start_timeout if config.generation <= 1 else None
         try:
-            with anyio.fail_after(self.start_timeout):
+            with anyio.fail_after(bound):
                 await _until_done(pid)
             handle._pid = int(pid.result())
         except TimeoutError:
@@ -465,13 +536,17 @@ class RayLauncher:
         return handle
 
     async def aclose(self) -> None:
-        """Kill the actors still running; leave the cluster if ``open`` joined it.
+        """Kill the actors still running, remove the placement group; leave the cluster if
+        ``open`` joined it.
 
         Never raises.
         """
         for handle in self._handles:
             handle.kill()
         self._handles = []
+        if self._group is not None:
+            self._group.remove()
+            self._group = None
         if self._owns_ray:
             self._owns_ray = False
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,11 @@ class WorkerConfig:
     rebuild the model, which engines to build, and its share of the CPU. ``parent_pid`` is the
     process whose end ends the worker; 0 for none (a worker on another host). ``curve_keys``
     is the CURVE key folder on the worker's host, for its TCP sockets (empty: no keys; the
-    folder's path, never a key, is what travels)."""
+    folder's path, never a key, is what travels); ``curve_material``, when set instead, is the
+    worker's keys themselves (``CurveKeys.worker_material``: keys made for one run, which the
+    runtime hands the workers it starts, e.g. Ray actors on hosts without a key folder).
+    ``ranks`` is how many ranks the pool runs (0 to ``ranks - 1``): a launcher that reserves
+    them together (Ray's placement group) sizes its reservation by it."""
 
     rank: int
     generation: int
@@ -67,6 +72,8 @@ class WorkerConfig:
     forward_time_bound_s: float = 0.1
     log_level: str = "WARNING"
     curve_keys: str = ""
+    curve_material: dict[str, str] = field(default_factory=dict)
+    ranks: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -91,16 +98,47 @@ def identity(rank: int, generation: int) -> bytes:
     return f"rank-{rank}-{generation}".encode()
 
 
+def check_paths(config: WorkerConfig) -> None:
+    """Check that every builder option naming a file (``path``, ``snac_path``: any option whose
+    name ends in ``path``) exists on this host: a worker reads a checkpoint at the path the
+    runtime was given, on its own node.
+
+    Raises:
+        FileNotFoundError: one does not; the message names the path, the rank and this host.
+    """
+    options = config.source.get("options", {})
+    for name, value in options.items():
+        if name.endswith("path") and isinstance(value, str) and value and not os.path.exists(value):
+            raise FileNotFoundError(
+                f"worker rank {config.rank} on host {socket.gethostname()}: no {name} {value} "
+                "here; every rank reads the checkpoint at that same path on its own node: copy "
+                "it there (or mount it at that path)"
+            )
+
+
+def worker_keys(config: WorkerConfig) -> CurveKeys | None:
+    """The CURVE keys ``config`` gives: its key material, else its key folder, else none.
+
+    Raises:
+        TransportError: the material is malformed, or the folder cannot be loaded.
+    """
+    if config.curve_material:
+        return CurveKeys.from_material(config.curve_material)
+    return CurveKeys.load(config.curve_keys) if config.curve_keys else None
+
+
 async def serve(config: WorkerConfig) -> None:
     """Run the worker until ``Shutdown``, or until the parent process is gone.
 
     Raises:
         TransportError: the CURVE keys ``config`` names cannot be loaded.
+        FileNotFoundError: a checkpoint path of the model's options is not on this host.
         Whatever building the model or an engine raises (the process then exits non-zero and
         the pool reports it).
     """
     register_wire_types()
-    keys = CurveKeys.load(config.curve_keys) if config.curve_keys else None
+    keys = worker_keys(config)
+    check_paths(config)
     model = ModelSource(**config.source).build()
     thread, engines = await build_engines({name: model.components[name] for name in config.engines})
     batching = WalkLoop(

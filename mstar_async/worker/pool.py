@@ -51,6 +51,7 @@ from mstar_async.transport import (
     ZmqHub,
     decode_message,
 )
+from mstar_async.transport.secure import is_loopback
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
@@ -145,9 +146,11 @@ class WorkerPool:
         self._server: Server | None = None
         self._endpoint = ""
         self._curve_folder = ""  # where workers find the CURVE keys, when the pool has TCP keys
+        self._curve_material: dict[str, str] = {}  # or the keys themselves, made for the run
         self._tg: TaskGroup | None = None
         self._closing = False
         self._walks: dict[int, tuple[int, WalkSink]] = {}  # walk id -> (rank, sink)
+        self._unsent: set[int] = set()  # walks whose StartWalk waits for a rank to be ready
         self._outgoing: list[tuple[int, StartWalk | FeedWalk]] = []
         self._feeds: dict[tuple[int, str], Callable[[], None]] = {}  # called once fed
         self._credits: dict[int, dict[int, int]] = {}
@@ -175,9 +178,10 @@ class WorkerPool:
                 self._endpoint = self._server.endpoint
             else:
                 # With keys, every interface, since the address workers dial may not be one
-                # this host can bind by name; without, only the host named, which must then be
-                # loopback (the hub refuses others). Workers are told the host the launcher
-                # named (and its port, when it names one: a firewall may allow only that one).
+                # this host can bind by name, unless that is loopback (all on this host);
+                # without, only the host named, which must then be loopback (the hub refuses
+                # others). Workers are told the host the launcher named (and its port, when it
+                # names one: a firewall may allow only that one).
                 fixed = "0"
                 if host.startswith("tcp://"):
                     host, _, fixed = host.removeprefix("tcp://").rpartition(":")
@@ -185,10 +189,12 @@ class WorkerPool:
                 if keys is None:
                     self._server = self._hub.bind(f"tcp://{host}:{fixed}")
                 else:
+                    where = host if is_loopback(host) else "0.0.0.0"
                     self._server = self._hub.bind(
-                        f"tcp://0.0.0.0:{fixed}", curve=keys.runtime_server()
+                        f"tcp://{where}:{fixed}", curve=keys.runtime_server()
                     )
-                    self._curve_folder = str(keys.folder)
+                    self._curve_folder = "" if keys.folder is None else str(keys.folder)
+                    self._curve_material = {} if keys.folder else keys.worker_material()
                 port = self._server.endpoint.rsplit(":", 1)[1]
                 self._endpoint = f"tcp://{host}:{port}"
             self._tg.start_soon(self._receive)
@@ -245,6 +251,8 @@ class WorkerPool:
             forward_time_bound_s=self.settings.forward_time_bound_s,
             log_level=self.log_level,
             curve_keys=self._curve_folder,
+            curve_material=self._curve_material,
+            ranks=len(self.ranks),
         )
         state.worker = await self.launcher.start(config)
         log.info("worker.start", rank=state.rank, pid=state.worker.pid, generation=state.generation)
@@ -391,6 +399,7 @@ class WorkerPool:
             sink.end({}, WorkerLost(f"worker rank {rank} is down{why}"))
             return RemoteWalk(self, rank, walk_id)
         self._walks[walk_id] = (rank, sink)
+        self._unsent.add(walk_id)
         message = StartWalk(
             walk_id,
             request_id,
@@ -452,6 +461,7 @@ class WorkerPool:
 
     def _walk_gone(self, walk_id: int) -> None:
         # Feeds waiting for room in a walk that has ended wait no more.
+        self._unsent.discard(walk_id)
         for key in [k for k in self._feeds if k[0] == walk_id]:
             self._feeds.pop(key)()
 
@@ -465,7 +475,13 @@ class WorkerPool:
             self._send_wake.set()
 
     def _walk_cancel(self, rank: int, walk_id: int) -> None:
-        if walk_id in self._walks:
+        if walk_id in self._unsent:
+            # Its start is not sent yet (it waits for a rank that is restarting, e.g. a
+            # segment whose peer was lost): no worker has it, so it ends here, unsent.
+            _, sink = self._walks.pop(walk_id)
+            self._walk_gone(walk_id)
+            sink.end({}, None)
+        elif walk_id in self._walks:
             self._cancels.setdefault(rank, []).append(walk_id)
             self._send_wake.set()
 
@@ -487,13 +503,19 @@ class WorkerPool:
             for rank in list(held):
                 queue = held[rank]
                 while queue:
+                    if isinstance(queue[0], StartWalk) and queue[0].id not in self._unsent:
+                        queue.pop(0)  # cancelled (or its rank lost) before it could start
+                        continue
                     # A segment starts once every rank of its walk is ready: its peers must
                     # know each other's endpoints before the first item goes worker to worker.
                     waits_for = _unready(self.ranks, rank, queue[0])
                     if waits_for is not None:
                         self._wake_when_ready(waits_for)
                         break
-                    await self._send_walk_message(rank, queue.pop(0))
+                    head = queue.pop(0)
+                    if isinstance(head, StartWalk):
+                        self._unsent.discard(head.id)
+                    await self._send_walk_message(rank, head)
                 if not queue:
                     del held[rank]
 
@@ -545,8 +567,15 @@ class WorkerPool:
                     pass  # gone: its supervisor restarts it, and the next Hello sends again
 
     async def _ask(self, rank: int, build: Callable[[int], Message]) -> Any:
-        """Send ``build(id)`` to ``rank`` and wait for the reply with that id."""
+        """Send ``build(id)`` to ``rank`` and wait for the reply with that id. A rank whose
+        worker is lost and not yet replaced fails at once (its launcher may take long to start
+        another: a Ray node to replace the lost one); one whose new worker is starting is
+        waited for."""
         state = self.ranks[rank]
+        lost = state.worker
+        if lost is not None and lost.returncode is not None and not state.ready.is_set():
+            why = f": {state.down}" if state.down else ""
+            raise WorkerLost(f"worker rank {rank} was lost and is restarting{why}")
         with anyio.fail_after(self.ready_timeout):
             await state.ready.wait()
         if state.worker is None or state.worker.returncode is not None:

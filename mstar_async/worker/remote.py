@@ -428,7 +428,7 @@ class RemoteLauncher:
     def _welcome(self, worker: RemoteWorker) -> Welcome:
         # The worker uses its own key folder and none of this host's paths.
         return Welcome(
-            replace(worker.config, curve_keys="").__dict__,
+            replace(worker.config, curve_keys="", curve_material={}).__dict__,
             data_port=self._data_port or _port_of(worker.config.endpoint),
             heartbeat=self.heartbeat,
             timeout=self.timeout,

@@ -37,6 +37,7 @@ from mstar_async.transport import (
     TransportError,
     ZmqHub,
 )
+from mstar_async.transport.secure import is_loopback
 from mstar_async.worker.tensor_store import TensorStore
 
 __all__ = ["FETCH_TIMEOUT", "WorkerTensors", "bind_peer_endpoint"]
@@ -54,8 +55,9 @@ def bind_peer_endpoint(
 
     IPC when the conductor is reached over IPC (all workers on one host), else TCP advertised
     under the address this host uses to reach the conductor: on every interface with CURVE
-    ``keys`` (peers present the worker key), on that address alone without (loopback only:
-    the conductor, and so every peer, is on this host then).
+    ``keys`` (peers present the worker key) unless that address is loopback, on that address
+    alone otherwise (without keys it must be loopback: the conductor, and so every peer, is on
+    this host then).
 
     Raises:
         TransportError: the endpoint cannot be bound, or it is not loopback and there are no
@@ -65,8 +67,8 @@ def bind_peer_endpoint(
         server = hub.bind()
         return server, server.endpoint
     local = _local_address(conductor_endpoint)
-    if keys is None:
-        server = hub.bind(f"tcp://{local}:0")
+    if keys is None or is_loopback(local):
+        server = hub.bind(f"tcp://{local}:0", curve=None if keys is None else keys.peer_server())
     else:
         server = hub.bind("tcp://0.0.0.0:0", curve=keys.peer_server())
     port = server.endpoint.rsplit(":", 1)[1]

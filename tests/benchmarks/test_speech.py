@@ -94,6 +94,9 @@ def test_config_and_inputs() -> None:
         SpeechConfig(model="qwen3-tts", systems=("streaming",), quantize="int8")
     with pytest.raises(ValueError, match="qwen3-tts only"):
         SpeechConfig(encoders="released")
+    with pytest.raises(ValueError, match="ray runs streaming_split's ranks on a cluster"):
+        SpeechConfig(systems=("streaming",), ray="auto")
+    assert SpeechConfig(systems=("streaming", "streaming_split"), ray="auto").ray == "auto"
     assert lm_options("int4") == {"quantize": "int4", "dtype": "bfloat16"} and not lm_options(None)
 
 

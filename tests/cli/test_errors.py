@@ -200,3 +200,41 @@ def test_a_bad_log_level_is_an_argument_error(capsys: pytest.CaptureFixture[str]
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'LOUD'" in err and "Traceback" not in err
+
+
+def test_serve_checks_ray_and_listen_before_loading(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mstar_async.cli import launch
+
+    placement = str(Path(__file__).resolve().parents[2] / "examples/placements/codec_split.yaml")
+    placed = ["serve", "demo", "--placement", placement]
+    assert fails(["serve", "demo", "--ray", "auto"], capsys) == (
+        "mstar serve: --ray runs the ranks of placed models: give --placement [MODEL=]FILE"
+    )
+    line = fails([*placed, "--ray", "head-without-port"], capsys)
+    assert line.startswith("mstar serve: --ray head-without-port: expected auto or HOST:PORT")
+    assert fails([*placed, "--ray", "ray://10.0.0.1:10001"], capsys).startswith(
+        "mstar serve: --ray ray://10.0.0.1:10001: expected auto or HOST:PORT"
+    )
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    line = fails([*placed, "--ray", f"127.0.0.1:{port}"], capsys)
+    assert line.startswith(f"mstar serve: --ray 127.0.0.1:{port}: no Ray cluster answers there")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launch, "RAY_CURRENT_CLUSTER", tmp_path / "no-cluster")
+    line = fails([*placed, "--ray", "auto"], capsys)
+    assert line.startswith("mstar serve: --ray auto: no Ray cluster runs on this host")
+    line = fails([*placed, "--ray", "auto", "--listen", "tcp://127.0.0.1:5555"], capsys)
+    assert line == "mstar serve: --ray and --listen both say where ranks run: give one of them"
+    assert fails(["serve", "demo", "--listen", "tcp://127.0.0.1:5555"], capsys) == (
+        "mstar serve: --listen needs --placement: its hosts: say which ranks join"
+    )
+    line = fails([*placed, "--listen", "tcp://0.0.0.0:5555"], capsys)
+    assert line.startswith("mstar serve: refusing to listen on tcp://0.0.0.0:5555 without CURVE")
+    two = ["serve", "demo", "orpheus", "--placement", f"demo={placement}"]
+    two += ["--placement", f"orpheus={placement}", "--listen", "tcp://127.0.0.1:5555"]
+    assert fails(two, capsys) == (
+        "mstar serve: --listen serves the ranks of one placed model, not 2: place one"
+    )

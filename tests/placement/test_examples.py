@@ -29,7 +29,14 @@ def load(name: str) -> Placement:
 
 
 @pytest.mark.parametrize(
-    "name", ["single.yaml", "codec_split.yaml", "prefill_decode.yaml", "replicas.yaml"]
+    "name",
+    [
+        "single.yaml",
+        "codec_split.yaml",
+        "prefill_decode.yaml",
+        "replicas.yaml",
+        "orpheus_codec_split.yaml",
+    ],
 )
 def test_each_example_round_trips(name: str) -> None:
     p = load(name)

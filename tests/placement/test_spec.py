@@ -111,3 +111,50 @@ def test_yaml_errors_name_the_source(tmp_path: Path) -> None:
         Placement.from_yaml(bad)
     with pytest.raises(PlacementError, match="must be a mapping"):
         Placement.from_yaml("[1, 2]")
+
+
+def test_strategy_and_resources_round_trip_and_default() -> None:
+    data = {
+        "model": "orpheus",
+        "ranks": 2,
+        "nodes": {"codec": 1},
+        "strategy": "SPREAD",
+        "resources": {0: {"CPU": 2}, 1: {"GPU": 1, "memory": 2**30, "node_b": 0.5}},
+    }
+    p = Placement.from_dict(data)
+    assert p.to_dict() == data
+    assert Placement.from_yaml(p.to_yaml()) == p
+    assert hash(Placement.from_dict(data)) == hash(p)
+    assert p.resources_for(0) == {"CPU": 2}
+    assert p.resources_for(1) == {"CPU": 1, "GPU": 1, "memory": 2**30, "node_b": 0.5}
+    plain = Placement(nodes={"codec": 1})
+    assert (plain.strategy, dict(plain.resources)) == ("PACK", {})
+    assert plain.resources_for(1) == {"CPU": 1}
+    assert "strategy" not in plain.to_dict() and "resources" not in plain.to_dict()
+    assert Placement.from_yaml("strategy: spread\n").strategy == "SPREAD"
+    assert Placement(resources={0: {"CPU": 0, "GPU": 1}}).resources_for(0) == {"GPU": 1}
+    assert Placement.from_dict({"resources": {"2": {"CPU": 1}}}).ranks == 3
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"strategy": "FAST"}, r"strategy is 'FAST'; write one of PACK, SPREAD"),
+        ({"strategy": 3}, "strategy is 3"),
+        ({"resources": [1]}, "resources must be a mapping"),
+        ({"resources": {1: 2}}, r"resources\.1 must map resource names to amounts"),
+        ({"resources": {1: {"GPU": -1}}}, r"resources\.1\.GPU is -1; write a number >= 0"),
+        ({"resources": {1: {"GPU": "one"}}}, r"resources\.1\.GPU is 'one'"),
+        ({"resources": {1: {"GPU": True}}}, r"resources\.1\.GPU is True"),
+        ({"resources": {1: {"gpu": 1}}}, r"resources\.1\.gpu: .*case-sensitive; write GPU"),
+        ({"resources": {0: {"": 1}}}, "resource name ''"),
+        ({"resources": {0: {"CPU": 0}}}, r"resources\.0 asks for nothing"),
+        ({"resources": {"x": {"CPU": 1}}}, "resources keys must be ranks"),
+        ({"ranks": 2, "resources": {2: {"CPU": 1}}}, "resources names rank 2, but ranks is 2"),
+    ],
+)
+def test_bad_strategy_or_resources_name_the_key_and_the_fix(
+    data: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(PlacementError, match=message):
+        Placement.from_dict(data)

@@ -12,10 +12,18 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
+from mstar_async.errors import RequestError, WorkerLost
+from mstar_async.models import build_model
+from mstar_async.placement import Placement
+from mstar_async.runtime import open_runtime
+from mstar_async.worker.launchers import LocalLauncher, WorkerHandle
+from mstar_async.worker.main import WorkerConfig
 from tests.server.live import http as request
 from tests.server.process import alive, children, mstar_serve
+from tests.worker.test_processes import assert_same, run_demo
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
 LONG = {"model": "demo", "inputs": {"text": "long", "max_codes": 100_000, "steps": 2}}
@@ -84,3 +92,53 @@ def test_kill_9_of_a_worker_under_load_ends_its_streams_and_the_server_recovers(
     while any(alive(pid) for pid in everyone) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in everyone), "a worker process outlived the server"
+
+
+class SlowReplacement:
+    """Local workers whose replacements wait for ``gate``: what a cluster does while no node can
+    take a lost rank (Ray starts the new actor once a node with its resources joins)."""
+
+    curve_keys = None
+
+    def __init__(self) -> None:
+        self.inner = LocalLauncher()
+        self.gate = anyio.Event()
+
+    async def open(self) -> str | None:
+        return await self.inner.open()
+
+    async def start(self, config: WorkerConfig) -> WorkerHandle:
+        if config.generation > 1:
+            await self.gate.wait()
+        return await self.inner.start(config)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_rank_lost_and_not_yet_replaced_fails_what_needs_it_at_once() -> None:
+    launcher = SlowReplacement()
+    placement = Placement(nodes={"codec": 1})
+    inputs = {"text": "short", "max_codes": 8, "steps": 1}
+    async with open_runtime(build_model("demo"), placement=placement, launcher=launcher) as rt:
+        pool = rt.pool
+        assert pool is not None
+        expected = await run_demo(rt, **inputs)
+        victim = pool.pid(1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while pool.unready_ranks() != {1: "is restarting"}:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        with anyio.fail_after(2):  # not the pool's ready_timeout (180 s)
+            with pytest.raises(WorkerLost, match="worker rank 1 was lost and is restarting"):
+                await pool.worker_stats(1)
+            with pytest.raises(RequestError, match="worker rank 1"):
+                await run_demo(rt, **inputs)
+        launcher.gate.set()
+        with anyio.fail_after(60):
+            while pool.unready_ranks():  # noqa: ASYNC110  (the new worker's start)
+                await anyio.sleep(0.05)
+        assert_same(await run_demo(rt, **inputs), expected)

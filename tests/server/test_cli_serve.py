@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,9 @@ from mstar_async.errors import MstarError
 from tests.server.conftest import openai_client
 from tests.server.live import http
 from tests.server.process import mstar_serve
+
+MSTAR = [sys.executable, "-m", "mstar_async.cli"]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placements"
 
 
 @pytest.mark.timeout(90)
@@ -124,3 +129,37 @@ def test_serve_defaults_to_smollm2_and_orpheus_which_answer_chat_and_speech() ->
     assert (reply.choices[0].message.content or "").strip()
     assert "Paris" in completion.choices[0].text
     assert speech.content[:4] == b"RIFF"
+
+
+@pytest.mark.timeout(120)
+def test_serve_listen_serves_a_rank_joined_by_mstar_worker(tmp_path: Path) -> None:
+    from tests.server.process import free_port
+
+    conductor = f"tcp://127.0.0.1:{free_port()}"
+    keys = tmp_path / "keys"
+    assert (
+        subprocess.run([*MSTAR, "keys", "generate", str(keys)], capture_output=True).returncode == 0
+    )
+    join = ["--curve-keys", str(keys)]
+    worker = subprocess.Popen(
+        [*MSTAR, "worker", "--conductor", conductor, "--rank", "1", "--threads", "1", *join],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        placement = f"demo={EXAMPLES / 'codec_split.yaml'}"
+        serve = ("demo", "--placement", placement, "--listen", conductor, "--join", "1", *join)
+        with mstar_serve(*serve, ready_within=90) as (url, process):
+            reply = http("POST", f"{url}/generate", {"model": "demo", "inputs": {"max_codes": 8}})
+            process.send_signal(signal.SIGINT)
+            assert process.wait(30) == 0
+        events = [e for e in reply.body.decode().split("\n\n") if e]
+        assert reply.status == 200
+        assert json.loads(events[-1][len("data: ") :])["type"] == "done"
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 0, err  # the server's shutdown ends it
+        assert "rank 1: joined" in err
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()

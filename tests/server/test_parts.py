@@ -107,3 +107,13 @@ def test_program_inputs_check_what_json_can_carry_and_pass_the_rest() -> None:
     with pytest.raises(APIError) as wrong:
         inputs.convert({"tags": ["a", 3]})
     assert (wrong.value.status, wrong.value.param) == (400, "inputs.tags[1]")
+
+
+def test_a_model_with_a_launcher_needs_a_placement() -> None:
+    from mstar_async.models import build_model
+    from mstar_async.server import ModelSpec, create_app
+    from mstar_async.worker.launchers import LocalLauncher
+
+    spec = ModelSpec(build_model("demo"), make_launcher=LocalLauncher)
+    with pytest.raises(ValueError, match="'demo' has a launcher but no placement"):
+        create_app([spec])

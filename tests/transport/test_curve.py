@@ -232,3 +232,20 @@ def test_ipc_sockets_live_in_a_folder_only_this_user_enters(hub: ZmqHub, keys: C
     folder = Path(server.endpoint.removeprefix("ipc://")).parent
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert folder.stat().st_uid == os.getuid()
+
+
+def test_keys_made_for_a_run_hand_a_worker_its_keys_and_never_the_runtime_secret() -> None:
+    keys = CurveKeys.for_run()
+    assert keys.folder is None
+    assert keys.runtime_public != CurveKeys.for_run().runtime_public  # fresh every run
+    material = keys.worker_material()
+    assert set(material) == {"runtime_public", "worker_public", "worker_secret"}
+    assert keys.runtime_secret is not None
+    assert keys.runtime_secret.decode() not in material.values()
+    worker = CurveKeys.from_material(material)
+    assert worker.runtime_client() == keys.runtime_client()
+    assert worker.peer_server() == keys.peer_server()
+    with pytest.raises(TransportError, match="made for one run, hold no runtime secret key"):
+        worker.runtime_server()
+    with pytest.raises(TransportError, match="lacks a valid worker_secret"):
+        CurveKeys.from_material({**material, "worker_secret": "short"})

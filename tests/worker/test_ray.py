@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import anyio
 import pytest
 
 from mstar_async.errors import MstarError, WorkerLost
+from mstar_async.graph import ModelSource
 from mstar_async.models import build_model
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
@@ -52,6 +54,15 @@ def mstar_actors(ray: Any) -> list[str]:
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith("mstar-")
+    ]
+
+
+def mstar_groups(ray: Any) -> list[dict[str, Any]]:
+    """The placement groups of mstar runtimes that Ray has not removed."""
+    return [
+        group
+        for group in ray.util.placement_group_table().values()
+        if group["name"].startswith("mstar-") and group["state"] != "REMOVED"
     ]
 
 
@@ -124,6 +135,10 @@ async def test_ray_actors_serve_the_same_answers_recover_and_end_with_the_runtim
             # A Ray worker process: started by the raylet, not by this process.
             assert parent_of(pid)[1] == "raylet"
         assert len(mstar_actors(ray)) == 2
+        # One placement group for the pool, a bundle (one CPU) per rank.
+        (group,) = mstar_groups(ray)
+        assert group["strategy"] == "PACK"
+        assert [b["CPU"] for b in group["bundles"].values()] == [1.0, 1.0]
         assert await eventually(lambda: free_cpus(ray) == 0)  # each rank holds a CPU of Ray's
         assert_same(await run_demo(rt, **INPUTS), expected)
 
@@ -141,6 +156,7 @@ async def test_ray_actors_serve_the_same_answers_recover_and_end_with_the_runtim
     # Closing the runtime ends every actor and gives the cluster its CPUs back.
     assert wait_gone([p for p in pids if p is not None])
     assert await eventually(lambda: not mstar_actors(ray) and free_cpus(ray) == CPUS)
+    assert mstar_groups(ray) == []
     assert mstar_actors(ray) == []
     assert free_cpus(ray) == CPUS
     assert ray.is_initialized()  # it was not the launcher's to shut down
@@ -154,7 +170,7 @@ async def test_a_rank_the_cluster_cannot_place_fails_to_start(
     launcher = RayLauncher(
         resources_per_rank={0: {"no-such-accelerator": 1}}, start_timeout=2, curve_keys=keys
     )
-    with pytest.raises(WorkerLost, match="did not start worker rank 0"):
+    with pytest.raises(WorkerLost, match=r"did not reserve the ranks' resources.*no-such-acc"):
         async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=launcher):
             pass
     assert await eventually(lambda: not mstar_actors(local_ray))
@@ -163,7 +179,48 @@ async def test_a_rank_the_cluster_cannot_place_fails_to_start(
 @ONE_LOOP
 @pytest.mark.anyio
 async def test_without_keys_the_pool_does_not_listen_on_the_nodes_address(local_ray: Any) -> None:
+    # The test's cluster is on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); a node's LAN
+    # address (TEST-NET-1 here, never dialed) is what a real cluster gives.
+    launcher = RayLauncher(endpoint_host="192.0.2.1")
     with pytest.raises(TransportError, match="refusing to listen on tcp://.* without CURVE keys"):
-        async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=RayLauncher()):
+        async with open_runtime(build_model("demo"), placement=CODEC_SPLIT, launcher=launcher):
             pass
     assert mstar_actors(local_ray) == []
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_a_placements_ray_launcher_reserves_its_resources_with_keys_made_for_the_run(
+    local_ray: Any,
+) -> None:
+    ray = local_ray
+    expected = await in_process()
+    placement = Placement(
+        nodes={"codec": 1}, strategy="SPREAD", resources={0: {"CPU": 1}, 1: {"CPU": 1}}
+    )
+    keys = CurveKeys.for_run()  # no folder: each actor gets its keys in its configuration
+    launcher = RayLauncher.for_placement(placement, curve_keys=keys)
+    async with open_runtime(build_model("demo"), placement=placement, launcher=launcher) as rt:
+        (group,) = mstar_groups(ray)
+        assert group["strategy"] == "SPREAD"
+        assert len(group["bundles"]) == 2
+        assert_same(await run_demo(rt, **INPUTS), expected)
+    assert await eventually(lambda: not mstar_groups(ray) and free_cpus(ray) == CPUS)
+
+
+@ONE_LOOP
+@pytest.mark.anyio
+async def test_a_rank_without_the_checkpoint_fails_its_start_naming_the_path_and_host(
+    local_ray: Any, keys: CurveKeys
+) -> None:
+    model = build_model("demo")
+    # What `--path` does to a model's source: every rank reads it at that path on its node.
+    model.source = ModelSource(
+        "mstar_async.models:build_model", {"name": "demo", "snac_path": "/no/such/codec"}
+    )
+    launcher = RayLauncher(curve_keys=keys, start_timeout=30)
+    host = socket.gethostname()
+    with pytest.raises(WorkerLost, match=rf"rank 0 on host {host}: no snac_path /no/such/codec"):
+        async with open_runtime(model, placement=CODEC_SPLIT, launcher=launcher):
+            pass
+    assert await eventually(lambda: not mstar_actors(local_ray) and not mstar_groups(local_ray))
