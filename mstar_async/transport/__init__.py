@@ -36,13 +36,16 @@ from mstar_async.transport.errors import (
     register_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
+from mstar_async.transport.messages import DROP_OP, EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from mstar_async.transport.wire import (
     AFTER_UNIT,
+    STATE_MOVED,
     UNIT_DONE,
+    DropState,
     ErrorInfo,
     FeedWalk,
+    FetchState,
     FetchTensor,
     Hello,
     Message,
@@ -53,6 +56,7 @@ from mstar_async.transport.wire import (
     Release,
     Shutdown,
     StartWalk,
+    StateReply,
     StepReply,
     StepRequest,
     TensorReply,
@@ -65,17 +69,21 @@ from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
 __all__ = [
     "AFTER_UNIT",
+    "DROP_OP",
     "EXPORT_OP",
     "IMPORT_OP",
     "INLINE_TENSOR_BYTES",
     "SHM_TENSOR_BYTES",
+    "STATE_MOVED",
     "SUPPORTED_DTYPES",
     "UNIT_DONE",
     "CurveClient",
     "CurveKeys",
     "CurveServer",
+    "DropState",
     "ErrorInfo",
     "FeedWalk",
+    "FetchState",
     "FetchTensor",
     "Hello",
     "Link",
@@ -89,6 +97,7 @@ __all__ = [
     "Server",
     "Shutdown",
     "StartWalk",
+    "StateReply",
     "StepCall",
     "StepReply",
     "StepRequest",

@@ -19,6 +19,8 @@ The conversation (the pool and the worker process run it):
   rank says ``Hello``);
 - worker -> worker, and conductor -> worker: :class:`FetchTensor` (the tensor behind a
   :class:`~mstar_async.transport.messages.TensorRef`), answered by :class:`TensorReply`;
+- worker -> worker: :class:`FetchState` (a request's engine state, to run its next walk on
+  the asking rank), answered by :class:`StateReply`, then :class:`DropState` once it arrived;
 - worker -> worker: :class:`PeerWalks` (what the segments of walks that span ranks send each
   other: edge items and values, their credit, finished units), one message per round per peer.
 """
@@ -49,7 +51,10 @@ from mstar_async.transport.messages import StepCall, TensorRef
 from mstar_async.transport.shm import ShmBatch
 
 __all__ = [
+    "STATE_MOVED",
+    "DropState",
     "ErrorInfo",
+    "FetchState",
     "FetchTensor",
     "Hello",
     "Message",
@@ -59,6 +64,7 @@ __all__ = [
     "Pong",
     "Release",
     "Shutdown",
+    "StateReply",
     "StepReply",
     "StepRequest",
     "TensorReply",
@@ -199,6 +205,7 @@ class StartWalk(_Msg, frozen=True, tag="walk"):
     window: int = 16
     ranks: dict[str, int] = {}
     peers: dict[int, int] = {}
+    moves: dict[str, int] = {}
 
 
 class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
@@ -228,6 +235,9 @@ class FeedWalk(_Msg, frozen=True, tag="feed"):
 #: segment made after it learnt that unit of the segment on ``rank`` had finished.
 UNIT_DONE = "#unit-done"
 AFTER_UNIT = "#after-unit"
+#: The ``WalkUpdates`` event port that says a walk's state moves (``StartWalk.moves``) are
+#: done: from then on the walk no longer needs the ranks its state came from.
+STATE_MOVED = "#state-moved"
 
 
 class WalkUpdates(_Msg, frozen=True, tag="walked"):
@@ -307,6 +317,36 @@ class TensorReply(_Msg, frozen=True, tag="tensor"):
     error: ErrorInfo | None = None
 
 
+class FetchState(_Msg, frozen=True, tag="fetchstate", gc=False):
+    """Worker to worker: give me what engine ``engine`` holds for request ``request_id`` (its
+    KV, pending tokens, sampling state), to run its next walk here; ``id`` matches the
+    :class:`StateReply`. The giver keeps holding it until :class:`DropState` (or the
+    request's release)."""
+
+    request_id: str
+    engine: str
+    id: int = 0
+
+
+class StateReply(_Msg, frozen=True, tag="state"):
+    """Answer to :class:`FetchState` ``id``: the exported ``state`` (``None``: nothing held),
+    or an ``error``."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("state",)
+
+    id: int
+    state: Any = None
+    error: ErrorInfo | None = None
+
+
+class DropState(_Msg, frozen=True, tag="dropstate", gc=False):
+    """Worker to worker, one way: the request's state in ``engine`` has arrived here, so the
+    rank it came from frees its copy."""
+
+    request_id: str
+    engine: str
+
+
 Message = (
     Hello
     | Peers
@@ -323,6 +363,9 @@ Message = (
     | Pong
     | FetchTensor
     | TensorReply
+    | FetchState
+    | StateReply
+    | DropState
 )
 """Every message kind; ``decode_message`` returns one of these."""
 
@@ -342,6 +385,9 @@ _MESSAGE_TYPES = (
     Pong,
     FetchTensor,
     TensorReply,
+    FetchState,
+    StateReply,
+    DropState,
 )
 _EXACT_TYPES = frozenset(_MESSAGE_TYPES)  # a set lookup is cheaper than isinstance over ten
 register_wire_type(TensorRef, name="mstar.TensorRef")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from mstar_async.engines import StatelessEngine
+from mstar_async.engines import StatelessEngine, Step, StepResult
 from mstar_async.graph import (
     DynamicLoop,
     Edge,
@@ -198,8 +199,10 @@ def build_two_ranks() -> Model:
     """Placed with ``TWO_RANKS``, walk ``w`` splits into segments: ``head`` and a counting
     loop on rank 0 stream items to ``sink`` on rank 1 (chunks of ``CHUNK``, bound ``BOUND``),
     ``head.gain`` crosses to ``sink`` and ``sink.out`` back to ``tail`` as plain edges, and
-    ``tail`` runs after ``sink`` has finished. Walk ``bounce`` loops over both ranks, so it
-    runs step by step. ``g < 0`` fails ``sink``; ``delay`` slows it (seconds per forward)."""
+    ``tail`` runs after ``sink`` has finished. Walk ``bounce`` loops over ``bump`` and
+    ``echo``: placed on two ranks its loop would span them, which placement refuses, so
+    ``TWO_RANKS`` puts both on rank 1. ``g < 0`` fails ``sink``; ``delay`` slows it (seconds
+    per forward)."""
     nodes = [
         Node("head", engine="head", inputs=["x", "g"], outputs=["y", "gain"]),
         Node("count", engine="counter", inputs=["x"], outputs=["y"]),
@@ -245,4 +248,49 @@ def build_two_ranks() -> Model:
         },
     )
     model.source = ModelSource("tests.worker.models:build_two_ranks")
+    return model
+
+
+class SlowMoves:
+    """An engine whose state moves take ``seconds`` on one side (``slow``: ``"export"`` or
+    ``"import"``), on the forward thread as real moves run; everything else is ``inner``'s."""
+
+    def __init__(self, inner: Any, slow: str, seconds: float) -> None:
+        self.inner = inner
+        self.slow = slow
+        self.seconds = seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def cost(self, step: Step) -> int:
+        return int(self.inner.cost(step))
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        return list(self.inner.forward(steps))
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    def export_state(self, request_id: str) -> Any:
+        if self.slow == "export":
+            time.sleep(self.seconds)
+        return self.inner.export_state(request_id)
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        if self.slow == "import":
+            time.sleep(self.seconds)
+        self.inner.import_state(request_id, state)
+
+
+def build_slow_moving_lm(path: str, slow: str, seconds: float) -> Model:
+    """The causal-lm over the checkpoint folder ``path`` (float32), whose engine's state moves
+    take ``seconds`` on the ``slow`` side (see ``SlowMoves``): time to act during a move."""
+    model = build_model("causal-lm", path=path, dtype="float32")
+    inner = model.components["lm"]
+    model.components = MappingProxyType({"lm": lambda: SlowMoves(inner(), slow, seconds)})
+    model.source = ModelSource(
+        "tests.worker.models:build_slow_moving_lm",
+        {"path": path, "slow": slow, "seconds": seconds},
+    )
     return model
