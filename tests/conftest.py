@@ -19,7 +19,6 @@ LOOPS = [
 ]
 
 
-
 def _parametrizes_loop(metafunc: pytest.Metafunc) -> bool:
     for mark in metafunc.definition.iter_markers("parametrize"):
         names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
