@@ -14,6 +14,7 @@ every rank the request touched) frees whatever either side still holds.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -52,16 +53,18 @@ class StateMoves:
         self.fetch_s = 0.0  # asking until the state was here (the source's export included)
         self.import_s = 0.0
         self.given = 0
+        self.export_s = 0.0  # asked until exported (waiting for a gap between forwards too)
 
     def stats(self) -> dict[str, int]:
-        """``state_moves_in``, ``state_bytes_in``, ``state_fetch_us``, ``state_import_us``
-        and ``state_moves_out``. Never raises."""
+        """``state_moves_in``, ``state_bytes_in``, ``state_fetch_us``, ``state_import_us``,
+        ``state_moves_out`` and ``state_export_us``. Never raises."""
         return {
             "state_moves_in": self.taken,
             "state_bytes_in": self.bytes_taken,
             "state_fetch_us": int(self.fetch_s * 1e6),
             "state_import_us": int(self.import_s * 1e6),
             "state_moves_out": self.given,
+            "state_export_us": int(self.export_s * 1e6),
         }
 
     async def take(self, request_id: str, engine: str, source: int) -> None:
@@ -101,10 +104,12 @@ class StateMoves:
         """Export the request's state in that engine between forwards; it stays held here
         until ``drop`` (or the request's release). Never raises: a failure is the reply."""
         call = StepCall(question.request_id, question.engine, EXPORT_OP, {})
+        started = time.perf_counter()
         try:
             outputs = await self.loop.submit(call)
         except Exception as exc:
             return StateReply(question.id, error=ErrorInfo.from_exception(exc))
+        self.export_s += time.perf_counter() - started
         self.given += 1
         return StateReply(question.id, outputs["state"])
 
@@ -119,11 +124,14 @@ class StateMoves:
 
 
 def state_bytes(state: Any) -> int:
-    """The bytes of every tensor in ``state`` (dicts, lists and tuples walked). Never raises."""
+    """The bytes of every tensor in ``state`` (dicts, lists, tuples and dataclasses walked).
+    Never raises."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
         return sum(state_bytes(v) for v in state.values())
     if isinstance(state, list | tuple):
         return sum(state_bytes(v) for v in state)
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        return sum(state_bytes(getattr(state, f.name)) for f in dataclasses.fields(state))
     return 0
