@@ -3,13 +3,14 @@ decoding after a prefill on another rank.
 
 Four measurements in one run, all on this machine:
 
-1. ``latency``: round trips of our ``Ping``/``Pong`` and of a decode-step-sized
-   ``StepRequest``/``StepReply`` (three small tensors and a dataclass, answered by one small
-   tensor; the small tensors travel inside the header, so each way is one frame, as the raw
-   echo is) through our ``Link``/``Server``, over IPC and over TCP on loopback, against bare
-   pyzmq DEALER/ROUTER echoing a 4-byte frame on the same transport (the floor). Both ends run
-   in this process on one event loop (see ``mstar_async.transport._measure``). Figures are p50
-   (and p90) over many round trips; the ratio ours/raw is taken within each repetition.
+1. ``latency``: round trips of our ``Ping``/``Pong`` and of a decode step's worth of walk
+   traffic, a ``FeedWalk`` answered by a ``WalkUpdates`` (three small tensors and a dataclass,
+   answered by one output, a small tensor; the small tensors travel inside the header, so
+   each way is one frame, as the raw echo is) through our ``Link``/``Server``, over IPC and
+   over TCP on loopback, against bare pyzmq DEALER/ROUTER echoing a 4-byte frame on the same
+   transport (the floor). Both ends run in this process on one event loop (see
+   ``mstar_async.transport._measure``). Figures are p50 (and p90) over many round trips; the
+   ratio ours/raw is taken within each repetition.
 2. ``throughput``: one-way transfer of a float32 tensor of 1 MB and 64 MB (8 MB in quick
    mode) over IPC and TCP (send, receive, decode; best of a few; each end with its own ZeroMQ
    context and I/O thread, as two processes have), against plain memory copies. ``ipc`` is
@@ -170,7 +171,7 @@ THROUGHPUT_TARGET = 0.5
 
 _MB = 1 << 20
 
-_MESSAGES = {"ping": "Ping/Pong", "step": "decode-step StepRequest/StepReply"}
+_MESSAGES = {"ping": "Ping/Pong", "step": "decode-step FeedWalk/WalkUpdates"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -796,7 +797,7 @@ def _latency_lines(result: dict[str, Any]) -> list[str]:
         )
     (h,) = rows(result, "header")
     lines.append(
-        f"header codec (decode-step request, {h['request_header_bytes']:.0f}-byte header, "
+        f"header codec (decode-step feed, {h['request_header_bytes']:.0f}-byte header, "
         f"{h['request_frames']:.0f} frames): encode {h['request_encode_us']:.1f} us, decode "
         f"{h['request_decode_us']:.1f} us; reply encode {h['reply_encode_us']:.1f} us, decode "
         f"{h['reply_decode_us']:.1f} us"

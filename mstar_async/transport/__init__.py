@@ -1,7 +1,8 @@
 """Messages between the conductor and workers, and the ways they travel.
 
-In one process a ``StepCall`` is handed over as a Python object, tensors and all; across
-processes the same message travels as a small typed header plus raw tensor frames:
+In one process values are handed over as Python objects, tensors and all (a ``StepCall`` is
+one step for a worker's batching loop); across processes a message travels as a small typed
+header plus raw tensor frames:
 
 - :mod:`~mstar_async.transport.codec`: value trees <-> msgpack header + zero-copy tensor
   buffers; :func:`register_wire_type` lets a dataclass travel;
@@ -57,8 +58,6 @@ from mstar_async.transport.wire import (
     Shutdown,
     StartWalk,
     StateReply,
-    StepReply,
-    StepRequest,
     TensorReply,
     WalkCredit,
     WalkUpdates,
@@ -99,8 +98,6 @@ __all__ = [
     "StartWalk",
     "StateReply",
     "StepCall",
-    "StepReply",
-    "StepRequest",
     "TensorMeta",
     "TensorRef",
     "TensorReply",
