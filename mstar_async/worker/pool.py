@@ -55,6 +55,7 @@ from mstar_async.walks.run import OUTPUT_WINDOW, WalkSink
 from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
 from mstar_async.worker.segmented import SegmentedWalk
+from mstar_async.worker.state_moves import state_bytes
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
@@ -187,7 +188,8 @@ class WorkerPool:
         self._moving: dict[int, set[int]] = {}  # walk id -> ranks its request's state leaves
         self.bytes_received = 0
         """Bytes of every message workers sent this process (headers and tensor frames): what
-        crossed into the conductor. Tensors kept on workers (handles) do not count here."""
+        crossed into the conductor. Tensors kept on workers (handles) do not count here, nor do
+        those that came through shared memory (their frames carry only their names)."""
         self._sent: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
         self._state_bytes = 0
@@ -367,7 +369,8 @@ class WorkerPool:
             kind = type(message).__name__
             self._received[kind] += 1
             if kind in _STATE_KINDS:
-                self._state_bytes += size
+                # The frames, and the tensors that came through shared memory beside them.
+                self._state_bytes += size + state_bytes(getattr(message, "state", None))
             if isinstance(message, Hello):
                 hello = self.ranks[message.rank]
                 if peer == hello.identity:

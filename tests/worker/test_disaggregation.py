@@ -82,6 +82,7 @@ async def test_prefill_decode_split_moves_the_kv_worker_to_worker_and_changes_no
         assert traffic.step_messages == 0 and traffic.state_bytes == 0
         assert traffic.bytes_received < dst["state_bytes_in"]
         assert set(traffic.messages_sent) <= {"Peers", "StartWalk", "WalkCredit", "Release", "Ping"}
+        assert set(traffic.messages_received) <= {"Hello", "WalkUpdates", "Pong"}
         assert traffic.messages_sent["StartWalk"] == 2 * len(requests)  # prefill, decode
         # Nothing is left on either rank: the source freed each request's blocks once the
         # destination had them, and the destination when the request ended.
