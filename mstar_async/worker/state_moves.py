@@ -102,7 +102,8 @@ class StateMoves:
 
     async def give(self, question: FetchState) -> StateReply:
         """Export the request's state in that engine between forwards; it stays held here
-        until ``drop`` (or the request's release). Never raises: a failure is the reply."""
+        until ``drop`` (or the request's release). Never raises: a failure is the reply.
+        Cancel-safe: a cancelled export leaves the state held, for the release to free."""
         call = StepCall(question.request_id, question.engine, EXPORT_OP, {})
         started = time.perf_counter()
         try:
@@ -115,7 +116,8 @@ class StateMoves:
 
     async def drop(self, message: DropState) -> None:
         """Free the request's state in that engine here: it has arrived on another rank.
-        Never raises."""
+        Never raises. Cancel-safe: a drop cancelled before it ran leaves the state to the
+        request's release."""
         call = StepCall(message.request_id, message.engine, DROP_OP, {})
         try:
             await self.loop.submit(call)
