@@ -58,14 +58,14 @@ async def settled(read: Callable[[], Awaitable[int]], quiet: float = 0.3) -> int
 
 
 async def assert_nothing_left(runtime: Runtime) -> None:
-    """No walk, step, kept tensor or request state on any rank, and no walk traffic waiting in
-    the pool."""
+    """No walk, kept tensor or request state on any rank, and no walk traffic waiting in the
+    pool."""
     pool = runtime.pool
     assert pool is not None
 
     async def busy() -> int:
         stats = [await pool.worker_stats(rank) for rank in sorted(pool.ranks)]
-        return sum(s["walks"] + s["steps_running"] + s["requests_held"] for s in stats)
+        return sum(s["walks"] + s["requests_held"] for s in stats)
 
     assert await settled(busy) == 0
     assert not runtime.conductor.active

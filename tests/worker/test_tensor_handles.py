@@ -35,11 +35,11 @@ async def stats(pool: WorkerPool) -> list[dict[str, int]]:
 
 
 async def settled(pool: WorkerPool) -> list[dict[str, int]]:
-    """Every worker's counters once no step runs there any more (cancelled steps finish late)."""
+    """Every worker's counters once no walk runs there any more (cancelled walks end late)."""
     with anyio.fail_after(20):
         while True:
             now = await stats(pool)
-            if all(s["steps_running"] == 0 for s in now):
+            if all(s["walks"] == 0 for s in now):
                 return now
             await anyio.sleep(0.05)
 
