@@ -4,9 +4,9 @@ A ``Launcher`` starts the workers: child processes of this one by default (``Loc
 or Ray actors anywhere on a Ray cluster (``RayLauncher``). The pool binds one ROUTER socket (IPC,
 or TCP when the launcher's workers may live on other hosts); each worker connects a DEALER with
 an identity naming its rank and generation (a restarted rank is a new peer, so no stale
-connection can take its messages). Steps are matched to replies by a sequence number. When a
-worker dies, its walks fail with ``WorkerLost`` naming the rank, and a new worker takes the
-rank.
+connection can take its messages). A ``Ping`` is matched to its ``Pong`` by a sequence number.
+When a worker dies, its walks fail with ``WorkerLost`` naming the rank, and a new worker takes
+the rank.
 
 The conductor sends walks (``StartWalk``, feeds, credit, cancels) and hears their outputs; no
 node step and no request state passes through it (``stats`` counts what does).
@@ -301,7 +301,7 @@ class WorkerPool:
             return
         lost = WorkerLost(
             f"worker rank {state.rank} (pid {worker.pid}) died with exit code {code}; "
-            f"its in-flight steps failed{_details([state])}"
+            f"its walks failed{_details([state])}"
         )
         log.warning("worker.lost", rank=state.rank, pid=worker.pid, code=code)
         state.ready.set()  # wake anyone waiting for a start that will not come
