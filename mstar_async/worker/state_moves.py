@@ -6,10 +6,11 @@ rank 1, before the walk starts, asks rank 0 for the state (``FetchState`` over t
 Rank 0 exports it between forwards and keeps holding it; the tensors travel as the peer links
 carry any tensor (shared memory on one host, frames over TCP across hosts), never through the
 conductor. Rank 1 imports it through its scheduler (an import without room waits for memory
-like a step does), then tells rank 0 to free its copy (``DropState``). So while the state is in
-flight it counts against both ranks' memory, and the source frees it only once the destination
-holds it. A cancel during the move stops it where it is; the request's release (which reaches
-every rank the request touched) frees whatever either side still holds.
+like a step does), then tells rank 0 to free its copy (``DropState``). So the source frees its
+blocks only once the destination holds the state; the destination allocates its own blocks as
+it imports (with the write, in one step between forwards), not before the bytes travel. A
+cancel during the move stops it where it is; the request's release (which reaches every rank
+the request touched) frees whatever either side still holds.
 """
 
 from __future__ import annotations
