@@ -335,12 +335,13 @@ def _add_transport_parser(kinds: Any) -> None:
     )
     transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
-    transport.add_argument(
+    only = transport.add_mutually_exclusive_group()
+    only.add_argument(
         "--throughput-only",
         action="store_true",
         help="only the tensor throughput measurement (no round trips, placements or split)",
     )
-    transport.add_argument(
+    only.add_argument(
         "--split-only",
         action="store_true",
         help="only the prefill/decode split measurement",
