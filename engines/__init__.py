@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar_async.engines.base import WAIT, Engine, Step, StepResult, Wait
+from mstar_async.engines.base import WAIT, Engine, MovableState, Step, StepResult, Wait
 from mstar_async.engines.stateless import StatelessEngine
 
-__all__ = ["WAIT", "Engine", "StatelessEngine", "Step", "StepResult", "Wait"]
+__all__ = ["WAIT", "Engine", "MovableState", "StatelessEngine", "Step", "StepResult", "Wait"]

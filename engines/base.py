@@ -51,9 +51,9 @@ StepResult = dict[str, Any] | None | Wait | Exception
 class Engine(Protocol):
     """A component that runs batched steps; a worker's scheduler drives it.
 
-    ``forward``, ``release``, ``export_state`` and ``import_state`` are synchronous and run off
-    the event loop's thread, one call at a time per worker, so an engine needs no locks of its
-    own. ``cost`` runs on the scheduler's thread between forwards.
+    ``forward`` and ``release`` (and ``MovableState``'s methods, where an engine has them) are
+    synchronous and run off the event loop's thread, one call at a time per worker, so an
+    engine needs no locks of its own. ``cost`` runs on the scheduler's thread between forwards.
 
     A loop's next step may run before the walk has read this one's outputs and decided to go
     on, where the engine allows it: with a class attribute ``stateless_steps = True`` (its
@@ -84,9 +84,19 @@ class Engine(Protocol):
         """Drop everything held for ``request_id`` (KV blocks, generators); idempotent."""
         ...
 
+
+@runtime_checkable
+class MovableState(Protocol):
+    """What an engine that holds per-request state (KV blocks, a sampler) may add so that a
+    request can run one walk on one rank and the next on another (prefill and decode
+    disaggregated): its state is exported on the first rank, carried worker to worker and
+    imported on the second. Optional: an engine without these methods holds nothing that has
+    to move. Both run on the forward thread between forwards, like ``forward``.
+    """
+
     def export_state(self, request_id: str) -> Any:
-        """What ``request_id`` holds here, to move it to another rank's engine, after which it
-        is released here; ``None`` when nothing is held (a stateless engine always).
+        """A copy of what ``request_id`` holds here, to move to another rank's engine; the
+        request keeps holding it here until ``release``. ``None`` when nothing is held.
 
         Raises:
             EngineError: the request's state cannot move now (a step half computed).
@@ -97,7 +107,8 @@ class Engine(Protocol):
         """Take over what ``export_state`` of a peer engine gave; ``None`` imports nothing.
 
         Raises:
-            KVCacheFull: no room for it here (nothing changed).
+            KVCacheFull: no room for it here (nothing changed; the worker retries it once
+                memory is freed).
             EngineError: the request is already held here.
         """
         ...
@@ -111,4 +122,4 @@ def group_by_op(steps: Sequence[Step]) -> dict[str, list[int]]:
     return groups
 
 
-__all__ = ["WAIT", "Engine", "Step", "StepResult", "Wait", "group_by_op"]
+__all__ = ["WAIT", "Engine", "MovableState", "Step", "StepResult", "Wait", "group_by_op"]

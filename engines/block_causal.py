@@ -248,8 +248,9 @@ class BlockCausalKVEngine:
         return results
 
     def export_state(self, request_id: str) -> dict[str, Any] | None:
-        """The request's cached frames (K/V on the CPU), then release it here; ``None`` if
-        nothing is held. Runs on the forward thread.
+        """The request's cached frames (K/V on the CPU), to move them to another engine; they
+        stay held here until ``release``. ``None`` if nothing is held. Runs on the forward
+        thread.
 
         Raises:
             EngineError: a step of the request is half computed (its frames cannot move).
@@ -258,9 +259,7 @@ class BlockCausalKVEngine:
             raise EngineError(f"request {request_id}: cannot move it while a step is running")
         if not self.allocator.has(request_id):
             return None
-        state = {"kv": read_sequence(self.allocator, self.cache, request_id)}
-        self.release(request_id)
-        return state
+        return {"kv": read_sequence(self.allocator, self.cache, request_id)}
 
     def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:
         """Hold the frames ``export_state`` gave away.

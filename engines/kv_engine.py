@@ -550,9 +550,9 @@ class KVCacheEngine(KeptKV):
 
     def export_state(self, request_id: str) -> dict[str, Any] | None:
         """Everything held for ``request_id``'s main sequence (its KV, pending tokens, sampling
-        state), then release the request here: its state moves to another engine (prefill on
-        one rank, decode on another). ``None`` if nothing is held. Runs on the forward thread.
-        """
+        state), to move it to another engine (prefill on one rank, decode on another); it stays
+        held here until ``release``. ``None`` if nothing is held. Runs on the forward thread.
+        Never raises."""
         seq = self._sequences.get(request_id)
         if seq is None or not self.allocator.has(request_id):
             return None
@@ -565,7 +565,6 @@ class KVCacheEngine(KeptKV):
             "sampling": seq.params,
             "generator": None if seq.generator is None else seq.generator.get_state(),
         }
-        self.release(request_id)
         return state
 
     def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:

@@ -183,10 +183,10 @@ class PrefixCacheEngine:
         self._prefixes.pop(request_id, None)
 
     def export_state(self, request_id: str) -> dict[str, torch.Tensor] | None:
-        """The prefix of ``request_id`` as CPU tensors [layers, kv_heads, length, dim], then
-        release it here: the request moves to another engine (prefix on one rank, the action
-        loop on another). ``None`` if nothing is held."""
-        prefix = self._prefixes.pop(request_id, None)
+        """The prefix of ``request_id`` as CPU tensors [layers, kv_heads, length, dim], to move
+        it to another engine (prefix on one rank, the action loop on another); it stays held
+        here until ``release``. ``None`` if nothing is held. Never raises."""
+        prefix = self._prefixes.get(request_id)
         if prefix is None:
             return None
         return {

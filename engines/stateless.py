@@ -110,13 +110,6 @@ class StatelessEngine:
     def release(self, request_id: str) -> None:
         """Nothing to release: the engine keeps no per-request state."""
 
-    def export_state(self, request_id: str) -> None:
-        """Nothing to move: the engine keeps no per-request state."""
-        return None
-
-    def import_state(self, request_id: str, state: Any) -> None:
-        """Nothing to take over: the engine keeps no per-request state."""
-
     def _collate(self, values: list[Any]) -> Any:
         first = values[0]
         if isinstance(first, torch.Tensor) and all(

@@ -1,9 +1,14 @@
 """Moving one sequence's keys and values out of a paged cache and into another (a request that
-prefills on one rank and decodes on another)."""
+prefills on one rank and decodes on another).
+
+The sequence travels as whole blocks, as the cache holds them: one ``index_select`` out (a
+contiguous tensor, which the transport sends without another copy) and one ``index_copy_`` in.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import torch
 
@@ -12,24 +17,33 @@ from mstar_async.errors import KVCacheFull
 from .allocator import PagedKVAllocator
 from .cache import PagedKVCache
 
-__all__ = ["read_sequence", "write_sequence"]
+__all__ = ["SequenceKV", "read_sequence", "write_sequence"]
 
 
-def read_sequence(allocator: PagedKVAllocator, cache: PagedKVCache, seq: Hashable) -> torch.Tensor:
-    """The sequence's K/V on the CPU, ``[layers, 2, tokens, kv_heads, head_dim]``.
+@dataclass(frozen=True)
+class SequenceKV:
+    """One sequence's keys and values: its blocks in order, ``[layers, 2, blocks, block_size,
+    kv_heads, head_dim]`` (contiguous, on the CPU), whose first ``tokens`` token rows are the
+    sequence's."""
+
+    blocks: torch.Tensor
+    tokens: int
+
+
+def read_sequence(allocator: PagedKVAllocator, cache: PagedKVCache, seq: Hashable) -> SequenceKV:
+    """The sequence's K/V as whole blocks, copied out of the cache. Never raises for a
+    sequence the allocator holds.
 
     Raises:
         EngineError: the allocator holds no such sequence.
     """
     n = allocator.num_tokens(seq)
     blocks = torch.tensor(allocator.block_table(seq), dtype=torch.int64, device=cache.device)
-    # [layers, 2, blocks, block_size, heads, dim] -> the sequence's tokens in order.
-    picked = cache.kv.index_select(2, blocks).flatten(2, 3)[:, :, :n]
-    return picked.cpu()
+    return SequenceKV(cache.kv.index_select(2, blocks).cpu(), n)
 
 
 def write_sequence(
-    allocator: PagedKVAllocator, cache: PagedKVCache, seq: Hashable, kv: torch.Tensor
+    allocator: PagedKVAllocator, cache: PagedKVCache, seq: Hashable, kv: SequenceKV
 ) -> None:
     """Start ``seq`` holding ``kv`` (as ``read_sequence`` gave it): allocate and write.
 
@@ -37,7 +51,7 @@ def write_sequence(
         KVCacheFull: too few free blocks; nothing changed.
         EngineError: ``seq`` is already live.
     """
-    n = int(kv.shape[2])
+    n = kv.tokens
     needed = -(-n // allocator.block_size)
     if needed > allocator.num_free_blocks:
         raise KVCacheFull(
@@ -46,7 +60,15 @@ def write_sequence(
         )
     allocator.add(seq)
     plan = allocator.append(seq, n)
+    values = kv.blocks.to(cache.device, cache.dtype)
+    if values.shape[3] == allocator.block_size:
+        # Same block size on both ranks: whole blocks, every layer, K and V, in one copy (the
+        # last block's rows past the sequence's end are free slots, written again when used).
+        table = allocator.block_table(seq)[:needed]
+        index = torch.tensor(table, dtype=torch.int64, device=cache.device)
+        cache.kv.index_copy_(2, index, values[:, :, :needed])
+        return
+    rows = values.flatten(2, 3)[:, :, :n]
     slots = torch.tensor(plan.slots, dtype=torch.int64, device=cache.device)
-    kv = kv.to(cache.device, cache.dtype)
     for layer in range(cache.num_layers):
-        cache.write(layer, slots, kv[layer, 0], kv[layer, 1])
+        cache.write(layer, slots, rows[layer, 0], rows[layer, 1])

@@ -1,14 +1,16 @@
-"""Transport: small-message latency, tensor throughput, and a streaming request per placement.
+"""Transport: small-message latency, tensor throughput, a streaming request per placement, and
+decoding after a prefill on another rank.
 
-Three measurements in one run, all on this machine:
+Four measurements in one run, all on this machine:
 
-1. ``latency``: round trips of our ``Ping``/``Pong`` and of a decode-step-sized
-   ``StepRequest``/``StepReply`` (three small tensors and a dataclass, answered by one small
-   tensor; the small tensors travel inside the header, so each way is one frame, as the raw
-   echo is) through our ``Link``/``Server``, over IPC and over TCP on loopback, against bare
-   pyzmq DEALER/ROUTER echoing a 4-byte frame on the same transport (the floor). Both ends run
-   in this process on one event loop (see ``mstar_async.transport._measure``). Figures are p50
-   (and p90) over many round trips; the ratio ours/raw is taken within each repetition.
+1. ``latency``: round trips of our ``Ping``/``Pong`` and of a decode step's worth of walk
+   traffic, a ``FeedWalk`` answered by a ``WalkUpdates`` (three small tensors and a dataclass,
+   answered by one output, a small tensor; the small tensors travel inside the header, so
+   each way is one frame, as the raw echo is) through our ``Link``/``Server``, over IPC and
+   over TCP on loopback, against bare pyzmq DEALER/ROUTER echoing a 4-byte frame on the same
+   transport (the floor). Both ends run in this process on one event loop (see
+   ``mstar_async.transport._measure``). Figures are p50 (and p90) over many round trips; the
+   ratio ours/raw is taken within each repetition.
 2. ``throughput``: one-way transfer of a float32 tensor of 1 MB and 64 MB (8 MB in quick
    mode) over IPC and TCP (send, receive, decode; best of a few; each end with its own ZeroMQ
    context and I/O thread, as two processes have), against plain memory copies. ``ipc`` is
@@ -33,6 +35,9 @@ Three measurements in one run, all on this machine:
    open all at once, so their startups overlap and each is longer than alone). All runtimes
    stay open together and take requests in turn (the order reversed every round), so their
    figures share the machine's state.
+4. ``split``: the causal-lm with prefill and decode on two workers (its KV moving worker to
+   worker) against both walks on one worker: decode inter-token latency, the KV move's MB/s,
+   and what passed through the conductor (see ``mstar_async.bench.split_decode``).
 
 Why ``copy_`` is the baseline for tensors: it is the cost of moving the bytes once, with no
 allocator in it. ``clone`` adds a fresh allocation whose pages fault in on first touch, which
@@ -65,7 +70,14 @@ The result is a report of the shape every benchmark has (``mstar_async.bench.rep
          "startup_s": float, "requests": int,
          "ttfa_ms": S, "last_audio_ms": S, "total_ms": S,
          "ttfa_ms_samples": [...], "last_audio_ms_samples": [...], "total_ms_samples": [...],
-         "audio_chunks": int, "audio_seconds": float}, ...
+         "audio_chunks": int, "audio_seconds": float}, ...,
+        {"measurement": "split", "layout": one of SPLITS, "spec": dict, "requests": int,
+         "prompt_tokens": int, "decode_tokens": int, "ttft_ms": S, "itl_ms": S,
+         "itl_ms_samples": [...], "conductor": {"step_messages": int, "state_bytes": int,
+         "bytes_received_per_request": S},
+         # splits only:
+         "itl_ratio": S, "move": {"mb": S, "mb_per_s": S, "fetch_ms": S, "export_ms": S,
+                                 "import_ms": S}}, ...
       ],
       "aims": [{"name": str, "target": float, "measured": float, "met": bool,
                 "compare": "<=" | ">="}, ...],
@@ -77,7 +89,8 @@ and ``T`` is ``{"gb_per_s": S, "ms": S}`` plus ``"zero_copy_recv": bool`` for ip
 and tcp (the decoded tensor points into the received frame or shared-memory segment),
 ``"shared_memory": bool`` for ipc (the tensor came through shared memory) and ``"copies": 0``
 for inproc. ``rows(result, measurement)`` picks one kind of row. ``--throughput-only``
-(``throughput_only=True``) has no latency or placement rows and runs only the throughput aim.
+(``throughput_only=True``) has no latency, placement or split rows and runs only the
+throughput aim; ``--split-only`` (``split_only=True``) has only the split rows and their aims.
 """
 
 from __future__ import annotations
@@ -104,6 +117,13 @@ from mstar_async.bench.common import (
     summarize,
 )
 from mstar_async.bench.report import aim_entry, make_report, system_entry
+from mstar_async.bench.split_decode import (
+    ITL_TARGET,
+    MOVE_TARGET_MB_S,
+    SPLITS,
+    SplitWorkload,
+    measure_split,
+)
 from mstar_async.loop import run_async
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk
@@ -151,7 +171,7 @@ THROUGHPUT_TARGET = 0.5
 
 _MB = 1 << 20
 
-_MESSAGES = {"ping": "Ping/Pong", "step": "decode-step StepRequest/StepReply"}
+_MESSAGES = {"ping": "Ping/Pong", "step": "decode-step FeedWalk/WalkUpdates"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +185,7 @@ class _Workload:
     max_codes: int
     denoise_steps: int
     header_iterations: int
+    split: SplitWorkload
 
     @property
     def large(self) -> int:
@@ -175,8 +196,10 @@ def _workload(quick: bool, repeat: int) -> _Workload:
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     if quick:
-        return _Workload("quick", repeat, 300, (_MB, 8 * _MB), 3, 2, 24, 4, 1000)
-    return _Workload("default", repeat, 2000, (_MB, 64 * _MB), 5, 5, 48, 8, 5000)
+        split = SplitWorkload(2, 128, 16, SPLITS[:2])
+        return _Workload("quick", repeat, 300, (_MB, 8 * _MB), 3, 2, 24, 4, 1000, split)
+    split = SplitWorkload(5, 512, 64, SPLITS)
+    return _Workload("default", repeat, 2000, (_MB, 64 * _MB), 5, 5, 48, 8, 5000, split)
 
 
 def _label(nbytes: int) -> str:
@@ -502,7 +525,10 @@ async def _placements(work: _Workload, progress: Progress) -> list[dict[str, Any
 
 
 def _aims(
-    latency: Sequence[dict[str, Any]], throughput: Sequence[dict[str, Any]], large: int
+    latency: Sequence[dict[str, Any]],
+    throughput: Sequence[dict[str, Any]],
+    split: Sequence[dict[str, Any]],
+    large: int,
 ) -> list[dict[str, Any]]:
     aims: list[dict[str, Any]] = []
     for entry in latency:
@@ -512,17 +538,46 @@ def _aims(
         )
         measured = entry["ratio_ours_raw"]["median"]
         aims.append(aim_entry(name, LATENCY_TARGET, measured, compare="<="))
-    big = next(e for e in throughput if e["size_bytes"] == large)
-    name = (
-        f"IPC throughput of a {_label(large)} tensor >= {THROUGHPUT_TARGET:g}x "
-        "a plain memory copy (copy_)"
-    )
-    aims.append(aim_entry(name, THROUGHPUT_TARGET, big["ratios"]["ipc/copy"]["median"]))
+    big = next((e for e in throughput if e["size_bytes"] == large), None)
+    if big is not None:
+        name = (
+            f"IPC throughput of a {_label(large)} tensor >= {THROUGHPUT_TARGET:g}x "
+            "a plain memory copy (copy_)"
+        )
+        aims.append(aim_entry(name, THROUGHPUT_TARGET, big["ratios"]["ipc/copy"]["median"]))
+    for entry in split:
+        if "itl_ratio" not in entry:
+            continue
+        name = (
+            f"decode inter-token latency, prefill on another rank ({entry['layout']}) <= "
+            f"{ITL_TARGET:g}x co-located"
+        )
+        aims.append(aim_entry(name, ITL_TARGET, entry["itl_ratio"]["median"], compare="<="))
+        if entry["layout"] == "split-ipc":
+            name = f"KV move rank to rank over shared memory >= {MOVE_TARGET_MB_S:g} MB/s"
+            measured = entry["move"]["mb_per_s"]["median"]
+            aims.append(aim_entry(name, MOVE_TARGET_MB_S, measured, unit="MB/s"))
     return aims
 
 
-def _systems(throughput_only: bool) -> list[dict[str, Any]]:
+def _systems(throughput_only: bool, split_only: bool) -> list[dict[str, Any]]:
     """What each name in the results stands for."""
+    splits = [
+        system_entry(
+            "co-located", "the causal-lm, prefill and decode walks on one worker (single)"
+        ),
+        system_entry(
+            "split-ipc",
+            "the causal-lm, prefill on rank 0 and decode on rank 1 (prefill_decode.yaml), "
+            "its KV moving worker to worker through shared memory",
+        ),
+        system_entry(
+            "split-tcp",
+            "split-ipc with the workers and their peer links over TCP on loopback",
+        ),
+    ]
+    if split_only:
+        return splits
     entries = [
         system_entry("copy", "copy_ into a buffer allocated once: the tensor baseline"),
         system_entry("clone", "torch.clone (allocates, as a receive does)"),
@@ -552,7 +607,7 @@ def _systems(throughput_only: bool) -> list[dict[str, Any]]:
                 launcher=_launcher_kind(name),
             )
         )
-    return entries
+    return entries + splits
 
 
 def _loop_name() -> str:
@@ -571,24 +626,29 @@ async def run_transport_async(
     repeat: int = 3,
     progress: Progress = quiet,
     throughput_only: bool = False,
+    split_only: bool = False,
 ) -> dict[str, Any]:
     """Run the transport benchmark on the running event loop; see the module doc for the
     result's shape. ``quick`` measures fewer round trips, 1 MB and 8 MB tensors (not 64 MB),
-    and 2 requests per placement with shorter speech. ``throughput_only`` skips the latency
-    and placement measurements.
+    2 requests per placement with shorter speech, and the split with a shorter prompt and
+    decode and over IPC only. ``throughput_only`` skips the latency, placement and split
+    measurements; ``split_only`` runs only the split.
 
     Raises:
-        ValueError: ``repeat`` < 1.
+        ValueError: ``repeat`` < 1, or both ``throughput_only`` and ``split_only``.
         PlacementError, WorkerLost: a runtime with worker processes failed to start.
     """
     work = _workload(quick, repeat)
     started = time.perf_counter()
     machine = machine_info()
+    if throughput_only and split_only:
+        raise ValueError("throughput_only and split_only exclude each other")
     progress(f"transport benchmark ({work.mode} mode): header codec")
     header = measure_header(work.header_iterations)
-    latency = [] if throughput_only else await _latency(work, progress)
-    throughput = await _throughput(work, progress)
-    placements = [] if throughput_only else await _placements(work, progress)
+    latency = [] if throughput_only or split_only else await _latency(work, progress)
+    throughput = [] if split_only else await _throughput(work, progress)
+    placements = [] if throughput_only or split_only else await _placements(work, progress)
+    split = [] if throughput_only else await measure_split(work.split, progress)
     machine["load_average_end"] = machine_info()["load_average"]
     notes = [
         "latency: both ends in this process on one event loop; raw = bare zmq.asyncio "
@@ -601,9 +661,15 @@ async def run_transport_async(
         "placements: codec-split-tcp is codec-split with both ranks run as `mstar worker` "
         "processes joined over loopback TCP (RemoteLauncher), as on other hosts; last audio "
         "is the end of the streamed speech, total adds the request's image walk",
+        "split: causal-lm (SmolLM2-135M), greedy, ignore_eos; inter-token latency from the "
+        "first to the last text delta; the KV move's MB/s is its bytes over the time from "
+        "the decode rank asking until the state was there (the export on the prefill rank "
+        "included); split/co-located ratios taken within each round",
     ]
     if throughput_only:
-        notes.append("throughput only: no latency or placement measurements")
+        notes.append("throughput only: no latency, placement or split measurements")
+    if split_only:
+        notes.append("split only: no latency, throughput or placement measurements")
     elif quick:
         notes.append(
             "quick mode: the placements' runtimes open concurrently, so startup_s overlaps"
@@ -626,13 +692,16 @@ async def run_transport_async(
             "requests_per_placement": work.requests,
             "max_codes": work.max_codes,
             "denoise_steps": work.denoise_steps,
+            "split_requests": work.split.requests,
+            "split_prompt_tokens": work.split.prompt_tokens,
+            "split_decode_tokens": work.split.decode_tokens,
             "loop": _loop_name(),
             "notes": notes,
         },
         machine=machine,
-        systems=_systems(throughput_only),
-        results=[header_row, *latency, *throughput, *placements],
-        aims=_aims(latency, throughput, work.large),
+        systems=_systems(throughput_only, split_only),
+        results=[header_row, *latency, *throughput, *placements, *split],
+        aims=_aims(latency, throughput, split, work.large),
         seconds=time.perf_counter() - started,
     )
 
@@ -643,13 +712,15 @@ def run_transport(
     repeat: int = 3,
     progress: Progress | None = None,
     throughput_only: bool = False,
+    split_only: bool = False,
 ) -> dict[str, Any]:
     """Run the transport benchmark on a fresh event loop (uvloop when installed) and return
     its result (see the module doc). Progress goes to stderr unless ``progress`` is given;
-    ``throughput_only`` skips the latency and placement measurements.
+    ``throughput_only`` skips the latency, placement and split measurements, ``split_only``
+    runs only the split.
 
     Raises:
-        ValueError: ``repeat`` < 1.
+        ValueError: ``repeat`` < 1, or both ``throughput_only`` and ``split_only``.
         PlacementError, WorkerLost: a runtime with worker processes failed to start.
     """
     log: Progress = progress if progress is not None else ProgressLog()
@@ -659,6 +730,7 @@ def run_transport(
         repeat=repeat,
         progress=log,
         throughput_only=throughput_only,
+        split_only=split_only,
     )
     result: dict[str, Any] = run_async(run)
     return result
@@ -676,7 +748,7 @@ def _cell(summary: dict[str, Any], digits: int = 1, suffix: str = "") -> str:
 
 def rows(result: dict[str, Any], measurement: str) -> list[dict[str, Any]]:
     """The rows of ``result["results"]`` of one ``measurement`` (``header``, ``latency``,
-    ``throughput`` or ``placement``), in order."""
+    ``throughput``, ``placement`` or ``split``), in order."""
     return [row for row in result["results"] if row["measurement"] == measurement]
 
 
@@ -689,11 +761,29 @@ def format_transport(result: dict[str, Any]) -> str:
         f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch "
         f"{machine['torch_version']}, load average {machine['load_average']} -> "
         f"{machine.get('load_average_end')}",
-        "each cell: median [min-max] over repetitions (placements: over requests); ratios "
-        "taken within each repetition",
-        "",
-        f"small-message round trip, p50 over {work['round_trips']} round trips (us)",
+        "each cell: median [min-max] over repetitions (placements, split: over requests); "
+        "ratios taken within each repetition (or round)",
     ]
+    lines += _latency_lines(result)
+    lines += _throughput_lines(result)
+    lines += _placement_lines(result)
+    lines += _split_lines(result)
+    lines += ["", "notes:", *(f"  {note}" for note in work["notes"]), "", "aims:"]
+    for entry in result["aims"]:
+        verdict = "met" if entry["met"] else "NOT met"
+        unit = f" {entry['unit']}" if "unit" in entry else "x"
+        lines.append(f"  {entry['name']}: {entry['measured']:.2f}{unit}: {verdict}")
+    lines.append(f"\ntotal {result['seconds']} s")
+    return "\n".join(lines)
+
+
+def _latency_lines(result: dict[str, Any]) -> list[str]:
+    """The round-trip table and the header codec's times."""
+    if not rows(result, "latency"):
+        return []
+    work = result["workload"]
+    lines: list[str] = []
+    lines += ["", f"small-message round trip, p50 over {work['round_trips']} round trips (us)"]
     header = (
         f"{'transport':>9} | {'message':>9} | {'ours p50':>22} | {'ours p90':>22} | "
         f"{'raw pyzmq p50':>22} | {'ours/raw':>20}"
@@ -707,11 +797,19 @@ def format_transport(result: dict[str, Any]) -> str:
         )
     (h,) = rows(result, "header")
     lines.append(
-        f"header codec (decode-step request, {h['request_header_bytes']:.0f}-byte header, "
+        f"header codec (decode-step feed, {h['request_header_bytes']:.0f}-byte header, "
         f"{h['request_frames']:.0f} frames): encode {h['request_encode_us']:.1f} us, decode "
         f"{h['request_decode_us']:.1f} us; reply encode {h['reply_encode_us']:.1f} us, decode "
         f"{h['reply_decode_us']:.1f} us"
     )
+    return lines
+
+
+def _throughput_lines(result: dict[str, Any]) -> list[str]:
+    """The tensor throughput table."""
+    if not rows(result, "throughput"):
+        return []
+    lines: list[str] = []
     lines += ["", "tensor throughput, one way, float32 (GB/s; ms per transfer)"]
     header = (
         f"{'size':>6} | {'system':>28} | {'GB/s':>22} | {'ms':>22} | {'vs copy_':>20} | "
@@ -748,6 +846,15 @@ def format_transport(result: dict[str, Any]) -> str:
                 f"{versus:>20} | {zero_copy:>14}"
             )
         lines.append(f"{'':>6}   ipc / torch.clone: {_cell(e['ratios']['ipc/clone'], 2, 'x')}")
+    return lines
+
+
+def _placement_lines(result: dict[str, Any]) -> list[str]:
+    """The demo request's table, one row per placement."""
+    if not rows(result, "placement"):
+        return []
+    work = result["workload"]
+    lines: list[str] = []
     lines += [
         "",
         f"demo request (max_codes={work['max_codes']}, {work['denoise_steps']} denoise steps), "
@@ -766,9 +873,40 @@ def format_transport(result: dict[str, Any]) -> str:
             f"{e['torch_threads']:>7} | {e['startup_s']:>9.2f} | {_cell(e['ttfa_ms']):>22} | "
             f"{_cell(e['last_audio_ms']):>22} | {_cell(e['total_ms']):>22} | {audio:>14}"
         )
-    lines += ["", "notes:", *(f"  {note}" for note in work["notes"]), "", "aims:"]
-    for entry in result["aims"]:
-        verdict = "met" if entry["met"] else "NOT met"
-        lines.append(f"  {entry['name']}: {entry['measured']:.2f}x: {verdict}")
-    lines.append(f"\ntotal {result['seconds']} s")
-    return "\n".join(lines)
+    return lines
+
+
+def _split_lines(result: dict[str, Any]) -> list[str]:
+    split = rows(result, "split")
+    if not split:
+        return []
+    work = result["workload"]
+    lines = [
+        "",
+        f"prefill/decode split (causal-lm, {work['split_prompt_tokens']}-token prompt, "
+        f"{work['split_decode_tokens']} tokens), over {work['split_requests']} requests "
+        "after a warm-up",
+    ]
+    header = (
+        f"{'layout':>10} | {'first token ms':>22} | {'inter-token ms':>22} | "
+        f"{'vs co-located':>20} | {'KV MB':>8} | {'move MB/s':>22} | {'export ms':>16} | "
+        f"{'import ms':>16} | "
+        f"{'conductor: steps, state B, B/request':>36}"
+    )
+    lines += [header, "-" * len(header)]
+    for e in split:
+        move = e.get("move")
+        ratio = _cell(e["itl_ratio"], 2, "x") if "itl_ratio" in e else "1.00x"
+        conductor = e["conductor"]
+        seen = (
+            f"{conductor['step_messages']}, {conductor['state_bytes']}, "
+            f"{conductor['bytes_received_per_request']['median']:.0f}"
+        )
+        lines.append(
+            f"{e['layout']:>10} | {_cell(e['ttft_ms']):>22} | {_cell(e['itl_ms'], 2):>22} | "
+            f"{ratio:>20} | {move['mb']['median'] if move else 0:>8.2f} | "
+            f"{_cell(move['mb_per_s'], 0) if move else '-':>22} | "
+            f"{_cell(move['export_ms'], 2) if move else '-':>16} | "
+            f"{_cell(move['import_ms'], 2) if move else '-':>16} | {seen:>36}"
+        )
+    return lines

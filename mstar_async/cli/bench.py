@@ -330,7 +330,9 @@ def _add_transport_parser(kinds: Any) -> None:
             "Small-message round trips (IPC, TCP) against raw pyzmq, tensor throughput (1 MB, "
             "64 MB) against a memory copy, and a streaming speech request of the demo model "
             "(first audio, last audio, total) at each placement: in-process, one worker, codec "
-            "split, codec replicas, and codec split with ranks joined over TCP (mstar worker)."
+            "split, codec replicas, and codec split with ranks joined over TCP (mstar worker); "
+            "and the causal-lm's prefill/decode split (decode inter-token latency against both "
+            "walks on one worker, the KV move's MB/s, what crossed the conductor)."
         ),
     )
     if transport is None:
@@ -338,14 +340,20 @@ def _add_transport_parser(kinds: Any) -> None:
     transport.add_argument(
         "--quick",
         action="store_true",
-        help="fewer round trips, 8 MB tensors, 2 requests per placement",
+        help="fewer round trips, 8 MB tensors, 2 requests per placement, a short split",
     )
     transport.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     transport.add_argument("--repeat", type=_positive, default=3, help="repetitions (3)")
-    transport.add_argument(
+    only = transport.add_mutually_exclusive_group()
+    only.add_argument(
         "--throughput-only",
         action="store_true",
-        help="only the tensor throughput measurement (no round trips, no placements)",
+        help="only the tensor throughput measurement (no round trips, placements or split)",
+    )
+    only.add_argument(
+        "--split-only",
+        action="store_true",
+        help="only the prefill/decode split measurement",
     )
 
 
@@ -354,6 +362,7 @@ def _transport(module: ModuleType, args: argparse.Namespace) -> tuple[dict[str, 
         quick=args.quick,
         repeat=1 if args.quick else args.repeat,
         throughput_only=args.throughput_only,
+        split_only=args.split_only,
     )
     return report, module.format_transport(report)
 

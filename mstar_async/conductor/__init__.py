@@ -1,4 +1,4 @@
-"""The conductor: per-request state, walk programs, and dispatch of node steps."""
+"""The conductor: per-request state, request programs, and where their walks run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from mstar_async.conductor.walk_stream import (
     WalkControl,
     WalkEvent,
     WalkHost,
-    WalkRouter,
     WalkStream,
 )
 
@@ -24,6 +23,5 @@ __all__ = [
     "WalkEvent",
     "WalkHost",
     "WalkResult",
-    "WalkRouter",
     "WalkStream",
 ]

@@ -2,8 +2,7 @@
 
 A ``WalkHost`` runs the whole walk, loops included, where its nodes are (a worker's batching
 loop in this process or in a worker process; for a walk whose nodes span ranks, each rank's
-worker its own part, its segment; for a walk with a loop spanning ranks, the conductor itself,
-sending each step to its rank) and sends its outputs back. The conductor only
+worker its own part, its segment) and sends its outputs back. The conductor only
 starts the walk, hands the outputs to the program, and returns credit as the program reads
 them, so a program that stops reading holds the walk back.
 """
@@ -58,10 +57,6 @@ class WalkControl(Protocol):
 
 class WalkHost(Protocol):
     """Runs whole walks where their nodes live."""
-
-    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
-        """Whether this host runs ``plan`` for ``request_id`` (else the conductor drives it)."""
-        ...
 
     def open_walk(
         self,
@@ -252,31 +247,3 @@ class WalkStream:
             self._finish()
         else:
             self._error_seen = True
-
-
-class WalkRouter:
-    """A ``WalkHost`` that gives each walk to the first of ``hosts`` that takes it (the
-    workers holding its nodes, else the conductor itself)."""
-
-    def __init__(self, *hosts: WalkHost) -> None:
-        self.hosts_in_order = hosts
-
-    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
-        """Whether any host takes ``plan``."""
-        return any(host.hosts(request_id, plan) for host in self.hosts_in_order)
-
-    def open_walk(
-        self,
-        request_id: str,
-        plan: WalkPlan,
-        inputs: Mapping[PortRef, Any],
-        params: Mapping[str, Any],
-        persisted: Mapping[PortRef, Any],
-        sink: WalkInbox,
-    ) -> WalkControl:
-        """Start the walk on the first host that takes it. Never raises for a walk that
-        ``hosts`` accepted: errors reach ``sink``."""
-        for host in self.hosts_in_order:
-            if host.hosts(request_id, plan):
-                return host.open_walk(request_id, plan, inputs, params, persisted, sink)
-        raise AssertionError(f"no host takes walk {plan.walk.name!r}")

@@ -4,7 +4,7 @@ A walk splits when every loop in it, with everything inside, sits on one rank. T
 runs its own loops, carries and ``until``; every edge between ranks has its scope at the walk's
 top level (outside all loops), so its value crosses once (a plain edge) or per item (a streaming
 edge), never per step. A walk with a loop spanning ranks does not split (``split_walk`` returns
-``None``): it runs step by step on the conductor.
+``None``); placement refuses such a layout (``Placement.validate``).
 
 Every rank interprets the whole walk, owning only its blocks. The walk's *units* are the largest
 blocks that sit on one rank (a node, a loop, or a container whose nodes are all on one rank); the

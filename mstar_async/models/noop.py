@@ -69,13 +69,6 @@ class NoopEngine:
     def release(self, request_id: str) -> None:
         """Nothing to release: the engine keeps no per-request state."""
 
-    def export_state(self, request_id: str) -> None:
-        """Nothing to move: the engine keeps no per-request state."""
-        return None
-
-    def import_state(self, request_id: str, state: Any) -> None:
-        """Nothing to take over: the engine keeps no per-request state."""
-
 
 def _done(step: LoopStep) -> bool:
     return step.iteration + 1 >= int(step.params["iterations"])

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mstar_async.errors import PlacementError
+from mstar_async.graph.blocks import Block, DynamicLoop, Loop, children, node_names
 
 if TYPE_CHECKING:
     from mstar_async.graph import Model
@@ -233,6 +234,33 @@ def _engine_ranks(
     return result
 
 
+def _check_loops(model: Model, walks: Mapping[str, Mapping[str, tuple[int, ...]]]) -> None:
+    """Every loop of every walk, with everything inside it, sits on one rank (or one replica
+    set): its iterations run on one worker, so nothing crosses a process per step."""
+    for walk, nodes in walks.items():
+        for loop in _loops(model.plans[walk].walk.body):
+            names = node_names(loop)
+            if len({nodes[name] for name in names}) > 1:
+                where = ", ".join(f"{name!r} on {_ranks_text(nodes[name])}" for name in names)
+                raise PlacementError(
+                    f"walk {walk!r}: its {type(loop).__name__} over nodes {names} spans ranks "
+                    f"({where}); a loop lives on one rank, so that its steps never cross a "
+                    "process: place every node of the loop on the same rank (or the same "
+                    "replicas), e.g. with a walks: override for this walk"
+                )
+
+
+def _loops(block: Block) -> list[Block]:
+    """The outermost loops in ``block`` (a loop's inner loops are inside its ranks)."""
+    if isinstance(block, Loop | DynamicLoop):
+        return [block]
+    return [loop for child in children(block) for loop in _loops(child)]
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
 def _check_across_walks(engine_ranks: Mapping[str, Mapping[str, tuple[int, ...]]]) -> None:
     """Between walks an engine's ranks must be the same (state stays) or disjoint (state
     moves); a partial overlap would make the move depend on which replica a request got."""
@@ -289,10 +317,11 @@ def resolve(placement: Placement, model: Model) -> ResolvedPlacement:
 
     Raises:
         PlacementError: the placement names another model; ``nodes`` names an unknown node;
-            ``walks`` names an unknown walk, or a node that walk does not run; two nodes of one
-            engine in one walk are on different ranks; an engine's ranks in two walks overlap
-            without being equal; a rank runs no node; an edge of a walk, or a migration, joins
-            a rank without a host address to a rank on another host.
+            ``walks`` names an unknown walk, or a node that walk does not run; two nodes of
+            one engine in one walk are on different ranks; a loop's nodes are on different
+            ranks; an engine's ranks in two walks overlap without being equal; a rank runs
+            no node; an edge of a walk, or a migration, joins a rank without a host address
+            to a rank on another host.
     """
     _check_names(placement, model)
     walks = {
@@ -300,6 +329,7 @@ def resolve(placement: Placement, model: Model) -> ResolvedPlacement:
         for walk, plan in model.plans.items()
     }
     engine_ranks = _engine_ranks(model, walks)
+    _check_loops(model, walks)
     _check_across_walks(engine_ranks)
 
     engines: dict[int, set[str]] = {rank: set() for rank in range(placement.ranks)}

@@ -182,8 +182,9 @@ class VADEngine:
         self._states.pop(request_id, None)
 
     def export_state(self, request_id: str) -> torch.Tensor | None:
-        """The stream's state, released here; ``None`` before its first frame."""
-        return self._states.pop(request_id, None)
+        """The stream's state (kept here until ``release``); ``None`` before its first frame.
+        Never raises."""
+        return self._states.get(request_id)
 
     def import_state(self, request_id: str, state: Any) -> None:
         """Take over a stream's state from ``export_state``.

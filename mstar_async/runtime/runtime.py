@@ -12,8 +12,6 @@ import anyio
 from mstar_async.conductor import Conductor, RequestStream
 from mstar_async.conductor.conductor import unwrap
 from mstar_async.conductor.dispatch import PlacedExecutor
-from mstar_async.conductor.stepwise import StepwiseWalks
-from mstar_async.conductor.walk_stream import WalkRouter
 from mstar_async.graph import Model
 from mstar_async.logs import get_logger
 from mstar_async.placement import Placement
@@ -258,8 +256,6 @@ async def _with_workers(
         launcher=launcher,
     ) as pool:
         executor = PlacedExecutor(resolved, pool)
-        async with StepwiseWalks(executor) as stepwise:
-            walks = WalkRouter(executor, stepwise)
-            async with Conductor(model, executor, walks=walks) as conductor:
-                yield Runtime(model, conductor, pool=pool)
+        async with Conductor(model, executor, walks=executor) as conductor:
+            yield Runtime(model, conductor, pool=pool)
     log.info("runtime.close", model=model.name)

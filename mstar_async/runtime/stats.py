@@ -57,13 +57,16 @@ class RankStats:
 
 @dataclass(frozen=True)
 class ConductorStats:
-    """The conductor: ``requests`` running (their programs), ``step_messages`` sent to ranks
-    one step at a time, and ``bytes_received`` of every message ranks sent it (outputs, and
-    any engine state moved through it; zero in process)."""
+    """The conductor: ``requests`` running (their programs); ``step_messages``, messages to or
+    from ranks that are neither walk traffic nor the workers' lifecycle (a node step sent on
+    its own would be one: walks run their steps on the workers, so 0); ``bytes_received`` of
+    the frames ranks sent it; and ``state_bytes``, of those, a request's engine state (a KV
+    moves worker to worker, so 0). All zero in process but ``requests``."""
 
     requests: int = 0
     step_messages: int = 0
     bytes_received: int = 0
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,5 +135,8 @@ async def pool_stats(
     async with anyio.create_task_group() as tg:
         for rank in pool.ranks:
             tg.start_soon(ask, rank)
-    conductor = ConductorStats(requests, pool.steps_sent, pool.bytes_received)
+    through = pool.stats()
+    conductor = ConductorStats(
+        requests, through.step_messages, through.bytes_received, through.state_bytes
+    )
     return RuntimeStats(dict(sorted(found.items())), conductor)

@@ -147,7 +147,8 @@ class RuntimeCollector(Collector):
         )
         steps = CounterMetricFamily(
             "mstar_conductor_step_messages",
-            "step messages the conductor sent to ranks one step at a time",
+            "messages to or from ranks that are neither walk traffic nor lifecycle (steps sent "
+            "one at a time)",
             labels=["model"],
         )
         received = CounterMetricFamily(
@@ -155,12 +156,18 @@ class RuntimeCollector(Collector):
             "bytes of every message ranks sent the conductor",
             labels=["model"],
         )
+        state = CounterMetricFamily(
+            "mstar_conductor_state_bytes",
+            "bytes of requests' engine state (KV) that went through the conductor",
+            labels=["model"],
+        )
         for name, stats in self.stats.items():
             for rank in stats.ranks.values():
                 families.add(name, rank)
             steps.add_metric([name], stats.conductor.step_messages)
             received.add_metric([name], stats.conductor.bytes_received)
-        yield from (*families.all(), steps, received)
+            state.add_metric([name], stats.conductor.state_bytes)
+        yield from (*families.all(), steps, received, state)
 
 
 class _RankFamilies:

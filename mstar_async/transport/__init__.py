@@ -1,7 +1,8 @@
 """Messages between the conductor and workers, and the ways they travel.
 
-In one process a ``StepCall`` is handed over as a Python object, tensors and all; across
-processes the same message travels as a small typed header plus raw tensor frames:
+In one process values are handed over as Python objects, tensors and all (a ``StepCall`` is
+one step for a worker's batching loop); across processes a message travels as a small typed
+header plus raw tensor frames:
 
 - :mod:`~mstar_async.transport.codec`: value trees <-> msgpack header + zero-copy tensor
   buffers; :func:`register_wire_type` lets a dataclass travel;
@@ -36,13 +37,16 @@ from mstar_async.transport.errors import (
     register_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP, StepCall, TensorRef
+from mstar_async.transport.messages import DROP_OP, EXPORT_OP, IMPORT_OP, StepCall, TensorRef
 from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from mstar_async.transport.wire import (
     AFTER_UNIT,
+    STATE_MOVED,
     UNIT_DONE,
+    DropState,
     ErrorInfo,
     FeedWalk,
+    FetchState,
     FetchTensor,
     Hello,
     Message,
@@ -53,8 +57,7 @@ from mstar_async.transport.wire import (
     Release,
     Shutdown,
     StartWalk,
-    StepReply,
-    StepRequest,
+    StateReply,
     TensorReply,
     WalkCredit,
     WalkUpdates,
@@ -65,17 +68,21 @@ from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
 __all__ = [
     "AFTER_UNIT",
+    "DROP_OP",
     "EXPORT_OP",
     "IMPORT_OP",
     "INLINE_TENSOR_BYTES",
     "SHM_TENSOR_BYTES",
+    "STATE_MOVED",
     "SUPPORTED_DTYPES",
     "UNIT_DONE",
     "CurveClient",
     "CurveKeys",
     "CurveServer",
+    "DropState",
     "ErrorInfo",
     "FeedWalk",
+    "FetchState",
     "FetchTensor",
     "Hello",
     "Link",
@@ -89,9 +96,8 @@ __all__ = [
     "Server",
     "Shutdown",
     "StartWalk",
+    "StateReply",
     "StepCall",
-    "StepReply",
-    "StepRequest",
     "TensorMeta",
     "TensorRef",
     "TensorReply",

@@ -20,17 +20,18 @@ import zmq
 import zmq.asyncio
 
 from mstar_async.transport.wire import (
+    FeedWalk,
     Ping,
     Pong,
-    StepReply,
-    StepRequest,
+    WalkUpdates,
     decode_message,
     encode_message,
 )
 from mstar_async.transport.zmq_link import Link, Server, ZmqHub
 
 __all__ = [
-    "decode_step_request",
+    "decode_step_feed",
+    "decode_step_output",
     "measure_clone",
     "measure_header",
     "measure_latency",
@@ -39,8 +40,9 @@ __all__ = [
 ]
 
 
-def decode_step_request() -> StepRequest:
-    """A typical decode-step request: a few small tensors and a small dataclass.
+def decode_step_feed() -> FeedWalk:
+    """A decode step's worth of inputs sent to a walk: a few small tensors and a small
+    dataclass, as one item of a streamed walk input.
 
     The dataclass is a stand-in with the shape of ``SamplingParams`` (transport may not import
     the engines); it is registered here under a private name.
@@ -68,7 +70,12 @@ def decode_step_request() -> StepRequest:
         "block_table": torch.arange(16, dtype=torch.int32).reshape(1, 16),
         "sampling": cls(),
     }
-    return StepRequest(17, "req-0123456789abcdef", "llm", "decode", "llm", inputs)
+    return FeedWalk(17, "decode.inputs", inputs)
+
+
+def decode_step_output() -> WalkUpdates:
+    """What a walk sends back for one decode step: one output, a small tensor."""
+    return WalkUpdates(events=[[17, "decode.token", torch.arange(8, dtype=torch.int64), 0]])
 
 
 def _per_call_us(fn: Callable[[], object], iterations: int, repeats: int = 5) -> float:
@@ -82,11 +89,11 @@ def _per_call_us(fn: Callable[[], object], iterations: int, repeats: int = 5) ->
 
 
 def measure_header(iterations: int = 20_000) -> dict[str, float]:
-    """Microseconds per call (best of 5 runs) to encode and decode :func:`decode_step_request`
-    and a small :class:`StepReply`, plus the header size in bytes."""
-    request = decode_step_request()
+    """Microseconds per call (best of 5 runs) to encode and decode :func:`decode_step_feed`
+    and :func:`decode_step_output`, plus the header size in bytes."""
+    request = decode_step_feed()
     frames = encode_message(request)
-    reply = StepReply(17, {"tokens": torch.arange(8, dtype=torch.int64)})
+    reply = decode_step_output()
     reply_frames = encode_message(reply)
     return {
         "request_encode_us": _per_call_us(lambda: encode_message(request), iterations),
@@ -121,7 +128,7 @@ def _summary_us(samples: list[float]) -> dict[str, float]:
 
 async def measure_latency(transport: str, iterations: int = 2000) -> dict[str, float]:
     """Round trip Ping -> Pong through :class:`Link` / :class:`Server` (encode, send, receive,
-    decode, both ways), and of :func:`decode_step_request` answered by a one-tensor reply."""
+    decode, both ways), and of :func:`decode_step_feed` answered by :func:`decode_step_output`."""
     with ZmqHub() as hub:
         server: Server = hub.bind(_endpoint(hub, transport))
         link: Link = hub.connect(server.endpoint, identity=b"bench")
@@ -132,8 +139,8 @@ async def measure_latency(transport: str, iterations: int = 2000) -> dict[str, f
             await server.send(identity, Pong(1))
             await link.recv()
 
-        request = decode_step_request()
-        reply = StepReply(17, {"tokens": torch.arange(8, dtype=torch.int64)})
+        request = decode_step_feed()
+        reply = decode_step_output()
 
         async def step() -> None:
             await link.send(request)
@@ -191,7 +198,7 @@ async def measure_throughput(
     with ZmqHub() as receiver, ZmqHub() as sender:
         server = receiver.bind(_endpoint(receiver, transport))
         link = sender.connect(server.endpoint, identity=b"bench", shared_memory=shared_memory)
-        msg = StepRequest(1, "r", "e", "o", inputs={"x": tensor})
+        msg = FeedWalk(1, "n.x", {"x": tensor})
         zero_copy = True
         via_shm = False
 
@@ -200,8 +207,8 @@ async def measure_throughput(
             await link.send(msg)
             _, frames = await server.recv_frames()
             received = decode_message(frames)
-            assert isinstance(received, StepRequest)
-            out = received.inputs["x"]
+            assert isinstance(received, FeedWalk)
+            out = received.items["x"]
             if len(frames) > 1:
                 view = frames[1].buffer
                 start = _address(view)

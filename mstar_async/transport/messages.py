@@ -6,10 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: Ops a worker runs through an engine's ``export_state`` / ``import_state`` (when it has them)
-#: instead of a forward: how a request's state (its KV) moves from one rank to another.
+#: Ops a worker runs between forwards instead of a forward: how a request's state (its KV)
+#: moves from one rank to another. ``EXPORT_OP`` and ``IMPORT_OP`` go through an engine's
+#: ``export_state`` / ``import_state`` (engines without them hold nothing to move);
+#: ``DROP_OP`` releases the request in that engine alone, once its state has arrived elsewhere.
 EXPORT_OP = "__export__"
 IMPORT_OP = "__import__"
+DROP_OP = "__drop__"
 
 
 @dataclass(frozen=True, slots=True)

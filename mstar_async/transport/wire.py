@@ -3,25 +3,29 @@
 Every message is one ``msgspec.Struct`` of the tagged union :data:`Message`. On the wire a
 message is the multipart ZeroMQ message ``[header, *buffers]``: ``header`` is the struct in
 msgpack (compact: an array whose first item is the tag), and the fields that carry value trees
-(``StepRequest.inputs``, ``StepReply.outputs``, ``TensorReply.value``) are encoded with
-:mod:`mstar_async.transport.codec`, so their tensors travel as the ``buffers`` that follow,
-uncopied. In Python those fields hold the live values: build ``StepRequest(..., inputs={"x":
-tensor})``, ``encode_message`` it, and ``decode_message`` gives back a ``StepRequest`` whose
-``inputs`` holds tensors over the received frames.
+(``StartWalk.inputs``, ``FeedWalk.items``, ``WalkUpdates.events``, ``TensorReply.value``,
+``StateReply.state``, ...) are encoded with :mod:`mstar_async.transport.codec`, so their
+tensors travel as the ``buffers`` that follow, uncopied. In Python those fields hold the live
+values: build ``FeedWalk(1, "node.port", {"x": tensor})``, ``encode_message`` it, and
+``decode_message`` gives back a ``FeedWalk`` whose ``items`` holds tensors over the received
+frames.
 
-The conversation (the pool and the worker process run it):
+The conversation (the pool and the worker process run it). Walks run on the workers, so no
+node step ever crosses on its own:
 
 - worker -> conductor, once, when it is ready: :class:`Hello`;
-- conductor -> worker: :class:`StepRequest` (reply: :class:`StepReply` with the same ``id``),
-  :class:`Release` (forget a request's state), :class:`Ping` (reply: :class:`Pong`),
-  :class:`Shutdown`;
+- conductor -> worker: :class:`StartWalk`, :class:`FeedWalk` and :class:`WalkCredit` (a walk,
+  its streamed inputs, credit and cancels), answered by :class:`WalkUpdates` (its outputs and
+  end, one message per round); :class:`Release` (forget a request's state), :class:`Ping`
+  (reply: :class:`Pong`), :class:`Shutdown`;
 - conductor -> worker: :class:`Peers` (every rank's worker-to-worker endpoint, sent whenever a
   rank says ``Hello``);
-- worker -> worker, and conductor -> worker: :class:`FetchTensor` (the tensor behind a
+- worker -> worker: :class:`FetchTensor` (the tensor behind a
   :class:`~mstar_async.transport.messages.TensorRef`), answered by :class:`TensorReply`;
+- worker -> worker: :class:`FetchState` (a request's engine state, to run its next walk on
+  the asking rank), answered by :class:`StateReply`, then :class:`DropState` once it arrived;
 - worker -> worker: :class:`PeerWalks` (what the segments of walks that span ranks send each
-  other: edge items and values, their credit, finished units), one message per round per peer.
-"""
+  other: edge items and values, their credit, finished units), one message per round per peer."""
 
 from __future__ import annotations
 
@@ -45,11 +49,14 @@ from mstar_async.transport.errors import (
     lookup_remote_error,
     remote_error_name,
 )
-from mstar_async.transport.messages import StepCall, TensorRef
+from mstar_async.transport.messages import TensorRef
 from mstar_async.transport.shm import ShmBatch
 
 __all__ = [
+    "STATE_MOVED",
+    "DropState",
     "ErrorInfo",
+    "FetchState",
     "FetchTensor",
     "Hello",
     "Message",
@@ -59,8 +66,7 @@ __all__ = [
     "Pong",
     "Release",
     "Shutdown",
-    "StepReply",
-    "StepRequest",
+    "StateReply",
     "TensorReply",
     "decode_message",
     "encode_message",
@@ -129,57 +135,6 @@ class Peers(_Msg, frozen=True, tag="peers", gc=False):
     endpoints: dict[int, str]
 
 
-class StepRequest(_Msg, frozen=True, tag="step"):
-    """Run ``op`` of ``engine`` for node ``node`` of request ``request_id`` on ``inputs``.
-
-    ``id`` is the conductor's sequence number for matching the :class:`StepReply`.
-    """
-
-    __wire_values__: ClassVar[tuple[str, ...]] = ("inputs",)
-
-    id: int
-    request_id: str
-    engine: str
-    op: str
-    node: str = ""
-    inputs: dict[str, Any] = {}
-
-    @classmethod
-    def from_call(cls, id: int, call: StepCall) -> StepRequest:
-        """The request that carries ``call`` to another process. Never raises."""
-        return cls(id, call.request_id, call.engine, call.op, call.node, dict(call.inputs))
-
-    def to_call(self) -> StepCall:
-        """The in-process :class:`StepCall` this request describes. Never raises."""
-        return StepCall(self.request_id, self.engine, self.op, self.inputs, self.node)
-
-
-class StepReply(_Msg, frozen=True, tag="reply"):
-    """The outcome of :class:`StepRequest` ``id``: its ``outputs``, or the ``error`` it raised."""
-
-    __wire_values__: ClassVar[tuple[str, ...]] = ("outputs",)
-
-    id: int
-    outputs: Any = None
-    error: ErrorInfo | None = None
-
-    @classmethod
-    def failed(cls, id: int, exc: BaseException) -> StepReply:
-        """The reply for a step that raised ``exc``. Never raises."""
-        return cls(id, None, ErrorInfo.from_exception(exc))
-
-    def result(self) -> Any:
-        """The outputs.
-
-        Raises:
-            MstarError: the step failed; the exception of the remote class (see
-                :meth:`ErrorInfo.to_exception`).
-        """
-        if self.error is not None:
-            raise self.error.to_exception()
-        return self.outputs
-
-
 class StartWalk(_Msg, frozen=True, tag="walk"):
     """Run walk ``walk`` of request ``request_id`` here, loops and all. ``inputs`` and
     ``persisted`` are keyed ``"node.port"``; ``window`` is how many outputs may be in flight
@@ -199,6 +154,7 @@ class StartWalk(_Msg, frozen=True, tag="walk"):
     window: int = 16
     ranks: dict[str, int] = {}
     peers: dict[int, int] = {}
+    moves: dict[str, int] = {}
 
 
 class WalkCredit(_Msg, frozen=True, tag="credit", gc=False):
@@ -228,6 +184,9 @@ class FeedWalk(_Msg, frozen=True, tag="feed"):
 #: segment made after it learnt that unit of the segment on ``rank`` had finished.
 UNIT_DONE = "#unit-done"
 AFTER_UNIT = "#after-unit"
+#: The ``WalkUpdates`` event port that says a walk's state moves (``StartWalk.moves``) are
+#: done: from then on the walk no longer needs the ranks its state came from.
+STATE_MOVED = "#state-moved"
 
 
 class WalkUpdates(_Msg, frozen=True, tag="walked"):
@@ -308,11 +267,39 @@ class TensorReply(_Msg, frozen=True, tag="tensor"):
     error: ErrorInfo | None = None
 
 
+class FetchState(_Msg, frozen=True, tag="fetchstate", gc=False):
+    """Worker to worker: give me what engine ``engine`` holds for request ``request_id`` (its
+    KV, pending tokens, sampling state), to run its next walk here; ``id`` matches the
+    :class:`StateReply`. The giver keeps holding it until :class:`DropState` (or the
+    request's release)."""
+
+    request_id: str
+    engine: str
+    id: int = 0
+
+
+class StateReply(_Msg, frozen=True, tag="state"):
+    """Answer to :class:`FetchState` ``id``: the exported ``state`` (``None``: nothing held),
+    or an ``error``."""
+
+    __wire_values__: ClassVar[tuple[str, ...]] = ("state",)
+
+    id: int
+    state: Any = None
+    error: ErrorInfo | None = None
+
+
+class DropState(_Msg, frozen=True, tag="dropstate", gc=False):
+    """Worker to worker, one way: the request's state in ``engine`` has arrived here, so the
+    rank it came from frees its copy."""
+
+    request_id: str
+    engine: str
+
+
 Message = (
     Hello
     | Peers
-    | StepRequest
-    | StepReply
     | StartWalk
     | WalkCredit
     | FeedWalk
@@ -324,14 +311,15 @@ Message = (
     | Pong
     | FetchTensor
     | TensorReply
+    | FetchState
+    | StateReply
+    | DropState
 )
 """Every message kind; ``decode_message`` returns one of these."""
 
 _MESSAGE_TYPES = (
     Hello,
     Peers,
-    StepRequest,
-    StepReply,
     StartWalk,
     WalkCredit,
     FeedWalk,
@@ -343,6 +331,9 @@ _MESSAGE_TYPES = (
     Pong,
     FetchTensor,
     TensorReply,
+    FetchState,
+    StateReply,
+    DropState,
 )
 _EXACT_TYPES = frozenset(_MESSAGE_TYPES)  # a set lookup is cheaper than isinstance over ten
 register_wire_type(TensorRef, name="mstar.TensorRef")

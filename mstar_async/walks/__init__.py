@@ -1,12 +1,10 @@
 """Walk execution: the interpreter that runs one walk of one request over its plan, as
 coroutines resumed by a trampoline. Workers run it over their own engines, a whole walk or, for
-a walk whose nodes span ranks, their segment of it (``segment.py``); the conductor runs it for
-walks whose loops span ranks, sending each step to its rank."""
+a walk whose nodes span ranks, their segment of it (``segment.py``)."""
 
 from mstar_async.walks.run import OUTPUT_WINDOW, WalkRun, WalkSink
 from mstar_async.walks.trampoline import (
     Condition,
-    FetchRequest,
     Flag,
     StepRequest,
     Task,
@@ -17,7 +15,6 @@ from mstar_async.walks.trampoline import (
 __all__ = [
     "OUTPUT_WINDOW",
     "Condition",
-    "FetchRequest",
     "Flag",
     "StepRequest",
     "Task",

@@ -34,12 +34,10 @@ from mstar_async.graph import (
     StreamEnd,
     WalkPlan,
 )
-from mstar_async.transport import TensorRef
 from mstar_async.walks.edge import StreamEdge
 from mstar_async.walks.trampoline import (
     Chain,
     Condition,
-    FetchRequest,
     Flag,
     StepRequest,
     TaskGroup,
@@ -414,8 +412,6 @@ class WalkRun:
             if edges:
                 await self._publish(value, scope, edges)
             if name is not None:
-                if isinstance(value, TensorRef):
-                    value = await FetchRequest(value)
                 while self.unacked >= self.window:
                     await self._credit
                 self.unacked += 1
@@ -424,15 +420,10 @@ class WalkRun:
                 self.left[ref] = value
 
     async def _publish(self, value: Any, scope: Scope, edges: tuple[EdgePlan, ...]) -> None:
-        # Where this walk must look at the value itself (a policy), a handle to a tensor
-        # another process holds is fetched; plain edges pass the handle on.
-        seen = value
         for edge in edges:
             target = scope.owner(edge.lca)
             if edge.streaming:
-                if isinstance(seen, TensorRef):
-                    seen = await FetchRequest(seen)
-                await target.streams[edge].send(_as_items(seen))
+                await target.streams[edge].send(_as_items(value))
             else:
                 target.cells[edge].set(value)
 
@@ -491,9 +482,7 @@ class WalkRun:
             last = inner.last
             carried = _carry(carries, last) if carries else {}
             if until is not None:
-                named, handles = self._named(last)
-                if handles:
-                    named = await _fetched(named)
+                named = self._named(last)
                 if until(LoopStep(iteration, named, self.params)):
                     return
 
@@ -516,18 +505,16 @@ class WalkRun:
                 pairs.append((src.port, dst.port))
         return tuple(pairs)
 
-    def _named(self, last: Mapping[PortRef, Any]) -> tuple[dict[str, Any], bool]:
-        """``last`` by port name, and whether any value is a handle to fetch."""
+    def _named(self, last: Mapping[PortRef, Any]) -> dict[str, Any]:
+        """``last`` by port name."""
         names = self._names
         named: dict[str, Any] = {}
-        handles = False
         for ref, value in last.items():
             name = names.get(ref)
             if name is None:
                 name = names[ref] = str(ref)
             named[name] = value
-            handles = handles or isinstance(value, TensorRef)
-        return named, handles
+        return named
 
     def _close_scope(self, scope: Scope) -> None:
         for stream in scope.streams.values():
@@ -560,14 +547,6 @@ def _in_scope(ref: PortRef, scope: Scope) -> Any:
             return fixed[ref]
         search = search.parent
     return _UNKNOWN
-
-
-async def _fetched(named: dict[str, Any]) -> dict[str, Any]:
-    # A handle's tensor is fetched: ``until`` looks at the value itself.
-    return {
-        name: await FetchRequest(value) if isinstance(value, TensorRef) else value
-        for name, value in named.items()
-    }
 
 
 def _carry(

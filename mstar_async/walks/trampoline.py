@@ -102,20 +102,6 @@ class StepRequest:
         return outputs
 
 
-class FetchRequest:
-    """What a walk coroutine awaits for the tensor behind a handle another process holds (a
-    step that ran on another rank left it there); resumed with the tensor or its error."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
-
-    def __await__(self) -> Generator[FetchRequest, Any, Any]:
-        value = yield self
-        return value
-
-
 class Task:
     """One suspended coroutine and the group (a walk) it belongs to. ``ahead`` is whatever
     the driver launched for it before it asked (see ``StepRequest.chain``); the driver's own."""
@@ -183,23 +169,20 @@ class TaskGroup:
             self.on_end(None)
 
 
-#: Where a ``StepRequest`` (or a ``FetchRequest``) goes: whoever runs it later calls
-#: ``Trampoline.wake`` with the outcome.
+#: Where a ``StepRequest`` goes: whoever runs it later calls ``Trampoline.wake`` with the
+#: outcome.
 SubmitStep = Callable[[Task, StepRequest], None]
-Fetch = Callable[[Task, FetchRequest], None]
 
 
 class Trampoline:
     """Resumes ready tasks until every task waits on a condition or a step.
 
     ``submit`` receives each ``StepRequest`` with the task that made it; whoever runs the step
-    resumes the task with ``wake(task, outputs)`` or ``wake(task, exception)``. ``fetch`` does
-    the same for ``FetchRequest``s (only where steps run in other processes).
+    resumes the task with ``wake(task, outputs)`` or ``wake(task, exception)``.
     """
 
-    def __init__(self, submit: SubmitStep, fetch: Fetch | None = None) -> None:
+    def __init__(self, submit: SubmitStep) -> None:
         self.submit = submit
-        self.fetch = fetch
         #: Called with the tasks a cancelled group closed while they waited, so whoever holds
         #: their steps drops them (a chunked prefill must not go on for a closed walk).
         self.on_abandon: Callable[[list[Task]], None] | None = None
@@ -248,8 +231,6 @@ class Trampoline:
                 self.submit(task, command)
             elif isinstance(command, Condition):
                 command.waiters.append(task)
-            elif isinstance(command, FetchRequest) and self.fetch is not None:
-                self.fetch(task, command)
             else:
                 error = TypeError(
                     f"walk coroutine awaited {command!r}, which the worker cannot run"

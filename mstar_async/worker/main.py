@@ -3,8 +3,8 @@
 ``MSTAR_WORKER_CONFIG`` (JSON, written by ``WorkerPool``).
 
 It rebuilds the model from its source, builds the engines its rank runs, connects to the
-conductor, says ``Hello``, and serves steps through its own batching loop until told to shut
-down, or until its parent is gone.
+conductor, says ``Hello``, and runs the walks the conductor starts through its own batching loop
+until told to shut down, or until its parent is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from mstar_async.logs import configure_logging, get_logger
 from mstar_async.transport import (
     CurveKeys,
     FeedWalk,
-    FetchTensor,
     Hello,
     Link,
     Peers,
@@ -32,12 +31,12 @@ from mstar_async.transport import (
     Release,
     Shutdown,
     StartWalk,
-    StepRequest,
     WalkCredit,
     ZmqHub,
 )
 from mstar_async.worker.lifecycle import die_with_parent, ignore_interrupts, watch_parent
 from mstar_async.worker.report import loop_report
+from mstar_async.worker.state_moves import StateMoves
 from mstar_async.worker.tensor_links import WorkerTensors, bind_peer_endpoint
 from mstar_async.worker.tensor_store import TensorStore
 from mstar_async.worker.walk_loop import WalkLoop, build_engines
@@ -156,13 +155,14 @@ async def serve(config: WorkerConfig) -> None:
         )
         peer_server, peer_endpoint = bind_peer_endpoint(hub, config.endpoint, keys)
         tensors = WorkerTensors(hub, TensorStore(config.rank, config.generation), keys)
-        walks = WalkService(model, batching, link, tensors)
+        states = StateMoves(batching, tensors)
+        walks = WalkService(model, batching, link, tensors, states)
         async with anyio.create_task_group() as tg:
             await tg.start(batching.run)
             await tg.start(walks.serve)
             if config.parent_pid > 0:
                 tg.start_soon(_stop_with_parent, config.parent_pid, tg.cancel_scope)
-            tg.start_soon(tensors.serve, peer_server, walks.from_peer)
+            tg.start_soon(tensors.serve, peer_server, walks.from_peer, states)
             hello = Hello(config.rank, os.getpid(), config.endpoint, sorted(engines), peer_endpoint)
             await link.send(hello)
             log.info("worker.ready", rank=config.rank, engines=sorted(engines))
@@ -173,6 +173,9 @@ async def serve(config: WorkerConfig) -> None:
 async def _serve_messages(
     link: Link, batching: WalkLoop, tensors: WorkerTensors, walks: WalkService, tg: Any
 ) -> None:
+    # Everything the conductor sends a worker: walks (starts, feeds, credit and cancels),
+    # releases, the peers' endpoints, stats probes and the shutdown. Steps never come one by
+    # one: a walk's steps run here, inside it.
     while True:
         message = await link.recv()
         if isinstance(message, WalkCredit):
@@ -182,28 +185,23 @@ async def _serve_messages(
         elif isinstance(message, StartWalk):
             walks.begin(message)
             walks.start(message)
-        elif isinstance(message, StepRequest):
-            tg.start_soon(_run_step, link, batching, tensors, message)
         elif isinstance(message, Release):
             walks.cancel_request(message.request_id)  # first: an ending walk may keep tensors
             tensors.store.release(message.request_id)
             tg.start_soon(batching.release, message.request_id)
-        elif isinstance(message, FetchTensor):
-            await link.send(tensors.answer(message))
         elif isinstance(message, Peers):
             tensors.set_peers(message.endpoints)
             walks.wake()  # what waited for a peer's endpoint can go now
         elif isinstance(message, Ping):
-            stats = {**tensors.stats(), **loop_report(batching), **walks.peer_stats()}
+            stats = {
+                **tensors.stats(),
+                **loop_report(batching),
+                **walks.peer_stats(),
+                **walks.states.stats(),
+            }
             await link.send(Pong(message.id, stats))
         elif isinstance(message, Shutdown):
             return
-
-
-async def _run_step(
-    link: Link, batching: WalkLoop, tensors: WorkerTensors, request: StepRequest
-) -> None:
-    await link.send(await tensors.run_step(batching.submit, request))
 
 
 async def _stop_with_parent(parent_pid: int, scope: anyio.CancelScope) -> None:

@@ -4,9 +4,12 @@ A ``Launcher`` starts the workers: child processes of this one by default (``Loc
 or Ray actors anywhere on a Ray cluster (``RayLauncher``). The pool binds one ROUTER socket (IPC,
 or TCP when the launcher's workers may live on other hosts); each worker connects a DEALER with
 an identity naming its rank and generation (a restarted rank is a new peer, so no stale
-connection can take its messages). Steps are matched to replies by a sequence number. When a
-worker dies, its in-flight steps fail with ``WorkerLost`` naming the rank, and a new worker
-takes the rank.
+connection can take its messages). A ``Ping`` is matched to its ``Pong`` by a sequence number.
+When a worker dies, its walks fail with ``WorkerLost`` naming the rank, and a new worker takes
+the rank.
+
+The conductor sends walks (``StartWalk``, feeds, credit, cancels) and hears their outputs; no
+node step and no request state passes through it (``stats`` counts what does).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import anyio
-import torch
 from anyio.abc import TaskGroup
 
 from mstar_async.errors import WorkerLost
@@ -29,8 +31,10 @@ from mstar_async.graph import ModelSource, PortRef
 from mstar_async.graph.segments import WalkSplit
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
+    STATE_MOVED,
+    DropState,
     FeedWalk,
-    FetchTensor,
+    FetchState,
     Hello,
     Message,
     Peers,
@@ -40,11 +44,7 @@ from mstar_async.transport import (
     Server,
     Shutdown,
     StartWalk,
-    StepCall,
-    StepReply,
-    StepRequest,
-    TensorRef,
-    TensorReply,
+    StateReply,
     TransportError,
     WalkCredit,
     WalkUpdates,
@@ -57,12 +57,42 @@ from mstar_async.worker.launchers import Launcher, LocalLauncher, WorkerHandle
 from mstar_async.worker.main import WorkerConfig, identity
 from mstar_async.worker.segmented import SegmentedWalk
 from mstar_async.worker.settings import RuntimeSettings
+from mstar_async.worker.state_moves import state_bytes
 from mstar_async.worker.wire_types import register_wire_types
 
 log = get_logger("mstar_async.worker.pool")
 
 #: Outputs read before their credit is sent back (see ``_walk_credit``): half the window.
 CREDIT_BATCH = max(1, OUTPUT_WINDOW // 2)
+
+#: What the conductor says to workers, by kind: walks (their start, inputs, credit, outputs)
+#: and the workers' lifecycle. Any other message through the conductor would be per-step
+#: traffic (``PoolStats.step_messages``).
+_WALK_KINDS = frozenset(k.__name__ for k in (StartWalk, FeedWalk, WalkCredit, WalkUpdates))
+_CONTROL_KINDS = frozenset(k.__name__ for k in (Hello, Peers, Ping, Pong, Release, Shutdown))
+#: Messages that carry a request's engine state: worker to worker only.
+_STATE_KINDS = frozenset(k.__name__ for k in (FetchState, StateReply, DropState))
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What passed through the conductor (this process) to and from the workers: messages by
+    kind each way, every byte received, and of those the bytes of any request's engine state
+    (a KV moving between ranks goes worker to worker, so 0). ``step_messages`` counts messages
+    of neither a walk nor the workers' lifecycle: a node step sent by the conductor would be
+    one (walks run their steps on the workers, so 0)."""
+
+    messages_sent: dict[str, int]
+    messages_received: dict[str, int]
+    bytes_received: int
+    state_bytes: int
+
+    @property
+    def step_messages(self) -> int:
+        """Messages either way that are neither walk traffic nor lifecycle."""
+        known = _WALK_KINDS | _CONTROL_KINDS
+        both = Counter(self.messages_sent) + Counter(self.messages_received)
+        return sum(n for kind, n in both.items() if kind not in known)
 
 
 class _Waiter:
@@ -157,12 +187,20 @@ class WorkerPool:
         self._cancels: dict[int, list[int]] = {}
         self._awaiting_ready: set[int] = set()
         self._send_wake = asyncio.Event()
+        self._moving: dict[int, set[int]] = {}  # walk id -> ranks its request's state leaves
         self.bytes_received = 0
         """Bytes of every message workers sent this process (headers and tensor frames): what
-        crossed into the conductor. Tensors kept on workers (handles) do not count here."""
-        self.steps_sent = 0
-        """``StepRequest`` messages sent to workers: one per step of a walk the conductor runs
-        step by step; walks that run on workers send none."""
+        crossed into the conductor. Tensors kept on workers (handles) do not count here, nor do
+        those that came through shared memory (their frames carry only their names)."""
+        self._sent: Counter[str] = Counter()
+        self._received: Counter[str] = Counter()
+        self._state_bytes = 0
+
+    def stats(self) -> PoolStats:
+        """What has passed through the conductor so far (see ``PoolStats``). Never raises."""
+        return PoolStats(
+            dict(self._sent), dict(self._received), self.bytes_received, self._state_bytes
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -271,7 +309,7 @@ class WorkerPool:
             return
         lost = WorkerLost(
             f"worker rank {state.rank} (pid {worker.pid}) died with exit code {code}; "
-            f"its in-flight steps failed{_details([state])}"
+            f"its walks failed{_details([state])}"
         )
         log.warning("worker.lost", rank=state.rank, pid=worker.pid, code=code)
         state.ready.set()  # wake anyone waiting for a start that will not come
@@ -284,11 +322,17 @@ class WorkerPool:
                 del self._walks[walk_id]
                 self._walk_gone(walk_id)
                 sink.end({}, lost)
+            elif state.rank in self._moving.get(walk_id, ()):
+                # Its request's state was on its way from the lost rank: it cannot come.
+                self._walk_cancel(rank, walk_id)
+                del self._walks[walk_id]
+                self._walk_gone(walk_id)
+                sink.end({}, WorkerLost(f"{lost}; walk {walk_id} was taking its state from it"))
         state.restarts += 1
         try:
             await self._start(state)
         except Exception as exc:
-            # The rank stays down (submit_to says so) rather than taking the pool with it: a
+            # The rank stays down (open_walk_on says so) rather than taking the pool with it: a
             # launcher can fail where a fork would not (no free resources on a cluster).
             log.error("worker.restart_failed", rank=state.rank, error=repr(exc))
             state.down = str(exc)
@@ -299,7 +343,7 @@ class WorkerPool:
             if state.worker is not None and state.worker.returncode is None:
                 try:
                     assert self._server is not None
-                    await self._server.send(state.identity, Shutdown())
+                    await self._send(state.identity, Shutdown())
                 except (TransportError, AssertionError):
                     pass
         with anyio.move_on_after(self.stop_timeout):
@@ -323,12 +367,18 @@ class WorkerPool:
         by_identity: dict[bytes, _Rank] = {}
         while True:
             peer, frames = await self._server.recv_frames()
-            self.bytes_received += sum(len(f) for f in frames)
+            size = sum(len(f) for f in frames)
+            self.bytes_received += size
             try:
                 message = decode_message(frames)
             except TransportError as exc:
                 log.warning("pool.bad_message", error=str(exc))
                 continue
+            kind = type(message).__name__
+            self._received[kind] += 1
+            if kind in _STATE_KINDS:
+                # The frames, and the tensors that came through shared memory beside them.
+                self._state_bytes += size + state_bytes(getattr(message, "state", None))
             if isinstance(message, Hello):
                 hello = self.ranks[message.rank]
                 if peer == hello.identity:
@@ -341,7 +391,7 @@ class WorkerPool:
             if sender is not None and isinstance(message, WalkUpdates):
                 self._walk_updates(message)
                 continue
-            if sender is None or not isinstance(message, StepReply | TensorReply | Pong):
+            if sender is None or not isinstance(message, Pong):
                 continue
             waiter = sender.in_flight.pop(message.id, None)
             if waiter is None:
@@ -351,6 +401,9 @@ class WorkerPool:
     def _walk_updates(self, message: WalkUpdates) -> None:
         walks = self._walks
         for walk_id, port, value, iteration in message.events:
+            if port == STATE_MOVED:
+                self._moving.pop(walk_id, None)
+                continue
             entry = walks.get(walk_id)
             if entry is not None:
                 entry[1].emit(port, value, iteration)
@@ -386,12 +439,15 @@ class WorkerPool:
         ranks: Mapping[str, int] | None = None,
         walk_id: int | None = None,
         peers: Mapping[int, int] | None = None,
+        moves: Mapping[str, int] | None = None,
     ) -> RemoteWalk:
         """Start walk ``walk`` of ``request_id`` on ``rank``'s worker (every node of it is
         there, or with ``ranks``, node -> rank, the part of it on ``rank``: see
         ``open_segments``, which gives each segment its ``walk_id`` from ``reserve_ids`` and
-        the ``peers``, rank -> segment id); its outputs and end reach ``sink``. Never raises:
-        a lost worker ends the walk with ``WorkerLost``."""
+        the ``peers``, rank -> segment id); its outputs and end reach ``sink``. ``moves``
+        (engine -> rank) names the request's state the worker takes from other ranks before
+        the walk starts. Never raises: a lost worker, or the loss of a rank the state comes
+        from before it has come, ends the walk with ``WorkerLost``."""
         state = self.ranks[rank]
         walk_id = next(self._ids) if walk_id is None else walk_id
         if state.worker is None or state.worker.returncode is not None:
@@ -410,7 +466,10 @@ class WorkerPool:
             window,
             dict(ranks or {}),
             dict(peers or {}),
+            dict(moves or {}),
         )
+        if moves:
+            self._moving[walk_id] = set(moves.values())
         self._outgoing.append((rank, message))
         self._send_wake.set()
         return RemoteWalk(self, rank, walk_id)
@@ -429,12 +488,14 @@ class WorkerPool:
         params: Mapping[str, Any],
         persisted: Mapping[PortRef, Any],
         sink: WalkSink,
+        moves: Mapping[int, Mapping[str, int]] | None = None,
     ) -> SegmentedWalk:
         """Start a walk whose nodes span ranks as one segment per rank (see
-        ``mstar_async.worker.segmented``); its outputs and end reach ``sink``. Never raises: a
-        lost worker ends the walk with ``WorkerLost``."""
+        ``mstar_async.worker.segmented``); its outputs and end reach ``sink``. ``moves``: per
+        rank, the request's state that rank takes from others first (see ``open_walk_on``).
+        Never raises: a lost worker ends the walk with ``WorkerLost``."""
         walk = SegmentedWalk(self, split, sink)
-        walk.start(request_id, inputs, params, persisted)
+        walk.start(request_id, inputs, params, persisted, moves or {})
         return walk
 
     def _walk_push(
@@ -462,6 +523,7 @@ class WorkerPool:
     def _walk_gone(self, walk_id: int) -> None:
         # Feeds waiting for room in a walk that has ended wait no more.
         self._unsent.discard(walk_id)
+        self._moving.pop(walk_id, None)
         for key in [k for k in self._feeds if k[0] == walk_id]:
             self._feeds.pop(key)()
 
@@ -538,7 +600,7 @@ class WorkerPool:
         state = self.ranks[rank]
         try:
             assert self._server is not None
-            await self._server.send(state.identity, message)
+            await self._send(state.identity, message)
         except TransportError as exc:
             if isinstance(message, StartWalk):
                 entry = self._walks.pop(message.id, None)
@@ -546,14 +608,20 @@ class WorkerPool:
                     entry[1].end({}, WorkerLost(f"worker rank {rank} is unreachable: {exc}"))
 
     @staticmethod
-    def _answer(waiter: _Waiter, message: StepReply | TensorReply | Pong) -> None:
-        if isinstance(message, Pong):
-            waiter.outputs = message.stats
-        elif message.error is not None:
-            waiter.error = message.error.to_exception()
-        else:
-            waiter.outputs = message.outputs if isinstance(message, StepReply) else message.value
+    def _answer(waiter: _Waiter, message: Pong) -> None:
+        waiter.outputs = message.stats
         waiter.done.set()
+
+    async def _send(self, peer: bytes, message: Message) -> None:
+        """Send ``message`` to the worker ``peer``, counted (see ``stats``).
+
+        Raises:
+            TransportError: the pool is not open, or the message cannot go.
+        """
+        if self._server is None:
+            raise TransportError("the worker pool is not open")
+        self._sent[type(message).__name__] += 1
+        await self._server.send(peer, message)
 
     async def _send_peers(self, ready: Mapping[bytes, _Rank]) -> None:
         # Every worker that is up learns every peer endpoint, whenever one (re)starts.
@@ -562,7 +630,7 @@ class WorkerPool:
         for peer, state in ready.items():
             if peer == state.identity:
                 try:
-                    await self._server.send(peer, peers)
+                    await self._send(peer, peers)
                 except TransportError:
                     pass  # gone: its supervisor restarts it, and the next Hello sends again
 
@@ -587,7 +655,7 @@ class WorkerPool:
         state.in_flight[message_id] = waiter
         try:
             try:
-                await self._server.send(state.identity, build(message_id))
+                await self._send(state.identity, build(message_id))
             except TransportError as exc:
                 # The worker's connection is gone before its end is known (a remote worker is
                 # known lost only when its heartbeats stop): it is lost for this message too.
@@ -598,35 +666,6 @@ class WorkerPool:
         if waiter.error is not None:
             raise waiter.error
         return waiter.outputs
-
-    async def submit_to(self, rank: int, call: StepCall) -> dict[str, Any]:
-        """Run ``call`` on ``rank``'s worker and return its outputs; large output tensors come
-        back as :class:`~mstar_async.transport.TensorRef` handles (see :meth:`fetch_from`).
-
-        Cancel-safe: a cancelled step's reply is dropped when it comes.
-
-        Raises:
-            WorkerLost: the worker died with the step in flight (or while restarting), or its
-                connection is gone.
-            MstarError: what the step raised on the worker (its class kept where known).
-        """
-        self.steps_sent += 1
-        outputs: dict[str, Any] = await self._ask(rank, lambda i: StepRequest.from_call(i, call))
-        return outputs
-
-    async def fetch_from(self, rank: int, ref: TensorRef) -> torch.Tensor:
-        """The tensor behind ``ref``, fetched from ``rank``'s worker into this process.
-
-        Cancel-safe: a cancelled fetch's reply is dropped when it comes.
-
-        Raises:
-            WorkerLost: the worker died (or is restarting).
-            TensorNotHeld: the worker no longer holds it (request released, worker restarted).
-        """
-        value = await self._ask(rank, lambda i: FetchTensor(ref.key, i))
-        if not isinstance(value, torch.Tensor):
-            raise TransportError(f"rank {rank} answered tensor {ref.key!r} with no tensor")
-        return value
 
     async def worker_stats(self, rank: int) -> dict[str, Any]:
         """``rank``'s worker counters (``kv_blocks``, ``kv_handles``, ``kv_kept_blocks``,
@@ -646,7 +685,7 @@ class WorkerPool:
         if self._server is None or worker is None or worker.returncode is not None:
             return
         try:
-            await self._server.send(state.identity, Release(request_id))
+            await self._send(state.identity, Release(request_id))
         except TransportError:
             pass  # the worker is gone; it held nothing that survives it
 

@@ -17,7 +17,7 @@ workers holding the worker key, and workers talk only to a runtime holding the r
 without keys both listen on a loopback address only (workers on this host).
 
 A remote worker that dies (or whose host or network does) is seen when its heartbeats stop:
-its in-flight steps fail with ``WorkerLost`` naming the rank. It is not restarted (this process
+its walks fail with ``WorkerLost`` naming the rank. It is not restarted (this process
 did not start it and cannot start it again), so the rank stays down until the runtime is
 reopened. A worker whose conductor goes away hears no heartbeat answers and exits after the
 same timeout: across hosts there is no parent-death signal to rely on.

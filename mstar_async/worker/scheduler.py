@@ -14,8 +14,10 @@ thread), ``finish`` resolves. The rules of a round:
   does too, unless nothing of that engine's forward could run: then its jobs are parked until
   some request is released, or, when no other request holds memory there that a release could
   free, the newest is failed with ``KVCacheFull`` so no job is parked forever;
-- state moves between ranks (``EXPORT_OP`` / ``IMPORT_OP``) go through the engine protocol's
-  ``export_state`` / ``import_state`` instead of a forward.
+- state moves between ranks (``EXPORT_OP`` / ``IMPORT_OP`` / ``DROP_OP``) go through the
+  optional ``MovableState`` protocol's ``export_state`` / ``import_state`` (and ``release``)
+  instead of a forward; an import that finds no room waits like a step (``WAIT``): the moved
+  state counts against this worker's memory as any request's does.
 
 The queue is a FIFO ``deque``: the oldest job is served first so no request starves.
 """
@@ -28,16 +30,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar_async.engines import WAIT, Engine, Step, StepResult
+from mstar_async.engines import WAIT, Engine, MovableState, Step, StepResult
 from mstar_async.errors import EngineError, KVCacheFull, MstarError
-from mstar_async.transport.messages import EXPORT_OP, IMPORT_OP
+from mstar_async.transport.messages import DROP_OP, EXPORT_OP, IMPORT_OP
 
 __all__ = ["Batch", "BatchStats", "ForwardTimer", "Job", "Outcome", "Round", "Scheduler"]
 
 #: What ``finish`` reports for a job: its outputs, or the error that failed it.
 Outcome = dict[str, Any] | BaseException
 
-_MOVES = (EXPORT_OP, IMPORT_OP)
+_MOVES = (EXPORT_OP, IMPORT_OP, DROP_OP)
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +75,7 @@ class Batch:
     costs: list[int] = field(default_factory=list)  # each job's cost when it was chosen
     outcomes: list[StepResult] = field(default_factory=list)
     ran: int = 0  # steps that went through ``engine.forward`` (state moves do not)
+    freed: bool = False  # a ``DROP_OP`` released memory
     short_steps: int = 0  # one-token steps the forward ran
     long_tokens: int = 0  # tokens the forward computed for longer steps
     seconds: float = 0.0
@@ -422,6 +425,7 @@ class Scheduler:
             for k, job in enumerate(batch.jobs):
                 if job.step.op in _MOVES:
                     batch.outcomes[k] = _move_state(engine, job.step)
+                    batch.freed |= job.step.op == DROP_OP
                 else:
                     run.append(k)
             if run:
@@ -437,6 +441,8 @@ class Scheduler:
         for batch in round.batches:
             self._in_flight.difference_update(batch.jobs)
             self._account(batch)
+            if batch.freed:
+                self.wake()
             live = list(zip(batch.jobs, batch.outcomes, strict=True))
             if self._withdrawn:
                 live = [(job, outcome) for job, outcome in live if job not in self._withdrawn]
@@ -582,12 +588,24 @@ def _computed(cost: int, budget: int, result: StepResult) -> int:
 
 
 def _move_state(engine: Engine, step: Step) -> StepResult:
-    """A request's state leaving this engine, or arriving; engines without state move none."""
+    """A request's state leaving this engine (a copy), arriving (``WAIT`` while there is no
+    room), or dropped here once it has arrived elsewhere. An engine that is not
+    ``MovableState`` holds nothing to move: it exports ``None`` and imports only ``None``."""
+    rid = step.request_id
     try:
-        if step.op == EXPORT_OP:
-            return {"state": engine.export_state(step.request_id)}
-        engine.import_state(step.request_id, step.inputs.get("state"))
+        if step.op == DROP_OP:
+            engine.release(rid)
+        elif step.op == EXPORT_OP:
+            if isinstance(engine, MovableState):
+                return {"state": engine.export_state(rid)}
+            return {"state": None}
+        elif isinstance(engine, MovableState):
+            engine.import_state(rid, step.inputs.get("state"))
+        elif step.inputs.get("state") is not None:
+            raise EngineError(f"request {rid}: this engine takes no state from another rank")
         return {}
+    except KVCacheFull as exc:
+        return WAIT if step.op == IMPORT_OP else exc
     except Exception as exc:
         return exc
 

@@ -70,9 +70,12 @@ class SegmentedWalk:
         inputs: Mapping[PortRef, Any],
         params: Mapping[str, Any],
         persisted: Mapping[PortRef, Any],
+        moves: Mapping[int, Mapping[str, int]],
     ) -> None:
         """Start every rank's segment, each with the inputs and persisted values its own nodes
-        take. Never raises: a rank that is down ends the walk with ``WorkerLost``."""
+        take, and the request's state it takes from other ranks first (``moves``: rank ->
+        engine -> source rank). Never raises: a rank that is down ends the walk with
+        ``WorkerLost``."""
         split = self.split
         walk = split.plan.walk.name
         peers = dict(zip(self.parts, self.pool.reserve_ids(len(self.parts)), strict=True))
@@ -96,6 +99,7 @@ class SegmentedWalk:
                 ranks=split.node_ranks,
                 walk_id=peers[rank],
                 peers=peers,
+                moves=moves.get(rank),
             )
 
     # --- WalkControl ---------------------------------------------------------------------------

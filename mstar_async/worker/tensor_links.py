@@ -1,6 +1,6 @@
 """How a worker reaches other workers: its store served on a ROUTER, peers' tensors fetched over
-DEALER links, the handles in a step's inputs resolved before the step runs, and the traffic of
-walks that span ranks (``PeerWalks``) sent and taken in over the same sockets.
+DEALER links, and over the same sockets the traffic of walks that span ranks (``PeerWalks``)
+and requests' engine state moving between ranks (``FetchState`` / ``DropState``).
 
 Each worker binds one peer endpoint (IPC when the conductor is on this host, TCP otherwise) and
 says it in ``Hello``; the conductor sends every worker the map of them (``Peers``) whenever a
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -24,14 +24,14 @@ from mstar_async.errors import TensorNotHeld
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     CurveKeys,
+    DropState,
     ErrorInfo,
+    FetchState,
     FetchTensor,
     Link,
     PeerWalks,
     Server,
-    StepCall,
-    StepReply,
-    StepRequest,
+    StateReply,
     TensorRef,
     TensorReply,
     TransportError,
@@ -99,8 +99,8 @@ class _Peer:
 class WorkerTensors:
     """One worker's store, its peer links, and the two steps around each forward.
 
-    ``resolve`` turns the handles in a step's inputs into tensors; ``keep`` turns a step's large
-    outputs into handles; ``answer`` serves a ``FetchTensor``; ``serve`` answers peers.
+    ``fetch`` brings a handle's tensor here; ``ask`` puts a question to a peer; ``answer``
+    serves a ``FetchTensor``; ``serve`` answers peers.
     With CURVE ``keys``, links to peers over TCP present the worker key and trust only it.
 
     Raises:
@@ -129,7 +129,7 @@ class WorkerTensors:
         """Whether this worker has been told where ``rank`` listens."""
         return bool(self._endpoints.get(rank))
 
-    async def send(self, rank: int, message: PeerWalks) -> None:
+    async def send(self, rank: int, message: PeerWalks | DropState) -> None:
         """Send ``message`` to ``rank``'s worker (one-way: nothing answers it).
 
         Raises:
@@ -146,45 +146,20 @@ class WorkerTensors:
                 peer.link.close()
                 del self._peers[rank]
 
-    async def resolve(self, call: StepCall) -> StepCall:
-        """``call`` with every handle among its inputs replaced by its tensor: from this
-        worker's store (the same object, no copy) or fetched from the rank that holds it.
-
-        Cancel-safe: a cancelled fetch's reply is skipped by the next fetch on that link.
+    async def fetch(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor behind ``ref``: from this worker's store (the same object, no copy) or
+        fetched from the rank that holds it. Cancel-safe.
 
         Raises:
-            TensorNotHeld: a handle's tensor is gone (its request released, its worker restarted).
+            TensorNotHeld: its tensor is gone (its request released, its worker restarted).
             TransportError: the holder is unknown, unreachable within :data:`FETCH_TIMEOUT`, or
                 restarted during the fetch.
         """
-        refs = {p: v for p, v in call.inputs.items() if isinstance(v, TensorRef)}
-        if not refs:
-            return call
-        inputs = dict(call.inputs)
-        for port, ref in refs.items():
-            inputs[port] = await self.fetch(ref)
-        return StepCall(call.request_id, call.engine, call.op, inputs, call.node, call.walk)
-
-    async def fetch(self, ref: TensorRef) -> torch.Tensor:
-        """The tensor behind ``ref``; see :meth:`resolve` for what it raises. Cancel-safe."""
         if ref.rank == self.store.rank:
             return self.store.get(ref)
-        peer = self._peer(ref.rank)
-        request_id = next(self._ids)
-        try:
-            with anyio.fail_after(FETCH_TIMEOUT):
-                async with peer.lock:
-                    await peer.link.send(FetchTensor(ref.key, request_id))
-                    while True:
-                        reply = await peer.link.recv()
-                        # A reply to a fetch that was cancelled after sending: not ours.
-                        if isinstance(reply, TensorReply) and reply.id == request_id:
-                            break
-        except TimeoutError:
-            raise TransportError(
-                f"rank {self.store.rank}: fetching tensor {ref.key!r} from rank {ref.rank} "
-                f"({peer.endpoint}) took over {FETCH_TIMEOUT} s"
-            ) from None
+        question = FetchTensor(ref.key, self.next_id())
+        reply = await self.ask(ref.rank, question, f"tensor {ref.key!r}")
+        assert isinstance(reply, TensorReply)
         if reply.error is not None:
             raise reply.error.to_exception()
         value = reply.value
@@ -192,6 +167,38 @@ class WorkerTensors:
             raise TransportError(f"rank {ref.rank} answered {ref.key!r} with no tensor")
         self.fetched += 1
         return value
+
+    def next_id(self) -> int:
+        """A fresh id for a question to a peer (see :meth:`ask`)."""
+        return next(self._ids)
+
+    async def ask(
+        self, rank: int, question: FetchTensor | FetchState, what: str
+    ) -> TensorReply | StateReply:
+        """Send ``question`` to ``rank``'s worker and return the reply with its id (``what``
+        names it in errors). Questions to one peer take turns on its link. Cancel-safe: a
+        cancelled question's reply is skipped by the next one on that link.
+
+        Raises:
+            TransportError: the rank is unknown, unreachable within :data:`FETCH_TIMEOUT`, or
+                restarted meanwhile.
+        """
+        peer = self._peer(rank)
+        kind = TensorReply if isinstance(question, FetchTensor) else StateReply
+        try:
+            with anyio.fail_after(FETCH_TIMEOUT):
+                async with peer.lock:
+                    await peer.link.send(question)
+                    while True:
+                        reply = await peer.link.recv()
+                        # A reply to a question that was cancelled after sending: not ours.
+                        if isinstance(reply, kind) and reply.id == question.id:
+                            return reply
+        except TimeoutError:
+            raise TransportError(
+                f"rank {self.store.rank}: fetching {what} from rank {rank} "
+                f"({peer.endpoint}) took over {FETCH_TIMEOUT} s"
+            ) from None
 
     def _peer(self, rank: int) -> _Peer:
         peer = self._peers.get(rank)
@@ -206,24 +213,6 @@ class WorkerTensors:
             peer = self._peers[rank] = _Peer(endpoint, link)
         return peer
 
-    async def run_step(
-        self, submit: Callable[[StepCall], Awaitable[dict[str, Any]]], request: StepRequest
-    ) -> StepReply:
-        """Run ``request`` through ``submit`` (the batching loop): handles in its inputs
-        resolved first, its large outputs kept here and answered with handles. A failure,
-        its own or a fetch's, becomes the failed reply. Cancel-safe (nothing is kept)."""
-        rid = request.request_id
-        self.store.step_started(rid)
-        try:
-            outputs = await submit(await self.resolve(request.to_call()))
-        except Exception as exc:  # the step's failure travels back to the conductor
-            self.store.step_failed(rid)
-            return StepReply.failed(request.id, exc)
-        except BaseException:
-            self.store.step_failed(rid)
-            raise
-        return StepReply(request.id, self.store.keep(rid, outputs))
-
     def answer(self, fetch: FetchTensor) -> TensorReply:
         """The reply to ``fetch``: the tensor (sent from this worker's memory), or the error.
         Never raises."""
@@ -235,18 +224,48 @@ class WorkerTensors:
         except TensorNotHeld as exc:
             return TensorReply(fetch.ref_id, fetch.id, error=ErrorInfo.from_exception(exc))
 
-    async def serve(self, server: Server, walks: Callable[[PeerWalks], None]) -> None:
-        """Answer other workers' fetches, and hand their ``PeerWalks`` to ``walks``, until
-        cancelled. Cancel-safe."""
-        while True:
-            try:
-                peer, message = await server.recv()  # a malformed message is skipped
-            except TransportError as exc:
-                if server.closed:
-                    return
-                log.warning("tensors.bad_message", error=str(exc))
-                continue
-            if isinstance(message, FetchTensor):
-                await server.send(peer, self.answer(message))
-            elif isinstance(message, PeerWalks):
-                walks(message)
+    async def serve(
+        self, server: Server, walks: Callable[[PeerWalks], None], states: StateGiver
+    ) -> None:
+        """Answer other workers' fetches, hand their ``PeerWalks`` to ``walks``, and their
+        state moves to ``states`` (each answered by a task of its own: an export waits for a
+        gap between forwards), until cancelled. Cancel-safe."""
+        async with anyio.create_task_group() as tasks:
+            while True:
+                try:
+                    peer, message = await server.recv()  # a malformed message is skipped
+                except TransportError as exc:
+                    if server.closed:
+                        return
+                    log.warning("tensors.bad_message", error=str(exc))
+                    continue
+                if isinstance(message, FetchTensor):
+                    await server.send(peer, self.answer(message))
+                elif isinstance(message, PeerWalks):
+                    walks(message)
+                elif isinstance(message, FetchState):
+                    tasks.start_soon(_give_state, server, peer, states, message)
+                elif isinstance(message, DropState):
+                    tasks.start_soon(states.drop, message)
+
+
+class StateGiver(Protocol):
+    """What answers other workers' state moves (``mstar_async.worker.state_moves``)."""
+
+    async def give(self, question: FetchState) -> StateReply:
+        """The request's exported state (kept here until ``drop``). Never raises."""
+        ...
+
+    async def drop(self, message: DropState) -> None:
+        """Free the request's state in that engine here. Never raises."""
+        ...
+
+
+async def _give_state(
+    server: Server, peer: bytes, states: StateGiver, question: FetchState
+) -> None:
+    reply = await states.give(question)
+    try:
+        await server.send(peer, reply)
+    except TransportError as exc:  # the asker is gone: the request's release frees the state
+        log.warning("tensors.state_unsent", request=question.request_id, error=str(exc))

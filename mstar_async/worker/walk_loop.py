@@ -267,10 +267,6 @@ class WalkLoop:
         self.kick()
         return run
 
-    def hosts(self, request_id: str, plan: WalkPlan) -> bool:
-        """Whether every node of ``plan`` has its engine here (then the whole walk runs here)."""
-        return all(node.engine in self.engines for node in plan.nodes.values())
-
     def open_walk(
         self,
         request_id: str,

@@ -5,6 +5,10 @@ Walk outputs collect in an outbox while the batching loop runs; a sender task wa
 loop lets other tasks run (after a round's forward) and sends everything collected as one
 message. Credit and cancels arrive as ``WalkCredit``.
 
+A walk whose request has engine state on another rank (its prefill ran there) first takes that
+state worker to worker (``StateMoves``), then starts; the conductor hears ``STATE_MOVED`` once
+the walk no longer needs the source rank.
+
 A walk that spans ranks runs here as this rank's segment (``SegmentRun``): what it sends other
 ranks, and what they send it, goes worker to worker (``PeerTraffic``), one ``PeerWalks`` per
 peer per round. A large tensor on a plain edge stays in this worker's store and travels as a
@@ -28,6 +32,7 @@ from mstar_async.graph.segments import Segment, split_walk
 from mstar_async.logs import get_logger
 from mstar_async.transport import (
     AFTER_UNIT,
+    STATE_MOVED,
     UNIT_DONE,
     ErrorInfo,
     FeedWalk,
@@ -42,6 +47,7 @@ from mstar_async.transport import (
 from mstar_async.walks.run import WalkRun
 from mstar_async.walks.segment import DONE, VALUE, SegmentRun
 from mstar_async.worker.peer_traffic import PeerTraffic, Route
+from mstar_async.worker.state_moves import StateMoves
 from mstar_async.worker.tensor_links import WorkerTensors
 from mstar_async.worker.walk_loop import WalkLoop
 
@@ -80,11 +86,14 @@ class _Sink:
 class WalkService:
     """Runs the walks the conductor starts on this worker's ``WalkLoop``."""
 
-    def __init__(self, model: Model, loop: WalkLoop, link: Link, tensors: WorkerTensors) -> None:
+    def __init__(
+        self, model: Model, loop: WalkLoop, link: Link, tensors: WorkerTensors, states: StateMoves
+    ) -> None:
         self.model = model
         self.loop = loop
         self.link = link
         self.tensors = tensors
+        self.states = states
         self.runs: dict[int, WalkRun] = {}
         self.events: list[Any] = []
         self.peers = PeerTraffic(self._deliver, self._later, self.runs.__contains__, self.wake)
@@ -94,6 +103,9 @@ class WalkService:
         # Walks whose inputs are still being fetched: what arrived for them meanwhile (feeds,
         # cancels, other ranks' finished units), applied in order once they start.
         self._starting: dict[int, list[Callable[[], None]]] = {}
+        # Walks taking their request's state from another rank, or fetching their inputs:
+        # walk id -> (request id, the scope a cancel stops them with).
+        self._preparing: dict[int, tuple[str, anyio.CancelScope]] = {}
         # What peers sent walks whose start has not arrived yet (ids above every one begun).
         self._early: dict[int, list[Callable[[], None]]] = {}
         self._last_begun = -1
@@ -130,27 +142,44 @@ class WalkService:
 
     def start(self, message: StartWalk) -> None:
         """Start the walk ``message`` names (after ``begin``): at once when every value it
-        carries is here, else once a task of ``serve`` has fetched the handles among them
-        (a hop through the event loop costs a message's transit on these machines). A bad walk
-        ends at once with its error. Never raises."""
+        carries is here and its request's state too, else once a task of ``serve`` has taken
+        the state from the ranks that hold it and fetched the handles among the values (a hop
+        through the event loop costs a message's transit on these machines). A bad walk, or
+        one whose state cannot come, ends at once with its error. Never raises."""
         values = (*message.inputs.values(), *message.persisted.values())
-        if any(isinstance(value, TensorRef) for value in values):
+        if message.moves or any(isinstance(value, TensorRef) for value in values):
             assert self._tasks is not None, "start walks while serve runs"
-            self._tasks.start_soon(self._fetch_and_start, message)
+            scope = anyio.CancelScope()
+            self._preparing[message.id] = (message.request_id, scope)
+            self._tasks.start_soon(self._prepare_and_start, message, scope)
         else:
             self._launch(message, message.inputs, message.persisted)
 
-    async def _fetch_and_start(self, message: StartWalk) -> None:
-        # Cancel-safe: nothing is started when cancelled while fetching.
+    async def _prepare_and_start(self, message: StartWalk, scope: anyio.CancelScope) -> None:
+        # Cancel-safe: nothing is started when cancelled while preparing; the request's
+        # release frees what a move left on either rank.
         try:
-            inputs = {k: await self._local(v) for k, v in message.inputs.items()}
-            persisted = {k: await self._local(v) for k, v in message.persisted.items()}
+            with scope:
+                for engine, source in message.moves.items():
+                    await self.states.take(message.request_id, engine, source)
+                if message.moves:
+                    self.events.append([message.id, STATE_MOVED, None, 0])
+                    self.wake()
+                inputs = {k: await self._local(v) for k, v in message.inputs.items()}
+                persisted = {k: await self._local(v) for k, v in message.persisted.items()}
         except Exception as exc:
+            self._preparing.pop(message.id, None)
             self._fail_start(message, exc)
             return
         except BaseException:
+            self._preparing.pop(message.id, None)
             self._starting.pop(message.id, None)
             raise
+        self._preparing.pop(message.id, None)
+        if scope.cancelled_caught:  # the conductor cancelled the walk, or released its request
+            self._starting.pop(message.id, None)
+            self.ended(message.id, {}, None)
+            return
         self._launch(message, inputs, persisted)
 
     def _launch(
@@ -213,6 +242,9 @@ class WalkService:
         for walk_id, count in message.credits.items():
             self._credit(walk_id, count)
         for walk_id in message.cancel:
+            preparing = self._preparing.get(walk_id)
+            if preparing is not None:
+                preparing[1].cancel()
             self._apply(walk_id, lambda run: run.cancel())
         self.loop.kick()
 
@@ -338,7 +370,11 @@ class WalkService:
         self.wake()
 
     def cancel_request(self, request_id: str) -> None:
-        """Stop every walk of ``request_id`` still running here (its release has come)."""
+        """Stop every walk of ``request_id`` still running or starting here (its release has
+        come)."""
+        for rid, scope in self._preparing.values():
+            if rid == request_id:
+                scope.cancel()
         for run in [r for r in self.runs.values() if r.request_id == request_id]:
             run.cancel()
 

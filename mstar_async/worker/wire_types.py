@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mstar_async.engines.kv.transfer import SequenceKV
 from mstar_async.engines.sampling import SamplingParams
 from mstar_async.graph import StreamEnd
 from mstar_async.policies import Chunk
@@ -16,3 +17,4 @@ def register_wire_types() -> None:
     register_wire_type(Chunk, name="mstar.Chunk")
     register_wire_type(StreamEnd, name="mstar.StreamEnd")
     register_wire_type(SamplingParams, name="mstar.SamplingParams")
+    register_wire_type(SequenceKV, name="mstar.SequenceKV")

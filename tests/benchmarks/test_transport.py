@@ -14,6 +14,7 @@ import pytest
 
 from mstar_async.bench.common import quiet
 from mstar_async.bench.report import check_report
+from mstar_async.bench.split_decode import SPLITS
 from mstar_async.bench.transport import (
     PLACEMENTS,
     TRANSPORTS,
@@ -25,7 +26,7 @@ from mstar_async.transport.shm import SHM_TENSOR_BYTES
 from tests.benchmarks.runs import BenchRun
 
 MESSAGES = ("ping", "step")
-KINDS = ("header", "latency", "throughput", "placement")
+KINDS = ("header", "latency", "throughput", "placement", "split")
 SYSTEM_ROWS = (
     "copy_ (baseline)",
     "torch.clone",
@@ -58,7 +59,7 @@ def test_shape_and_workload(result: dict[str, Any]) -> None:
     names = {entry["name"] for entry in result["systems"]}
     assert names == {"copy", "clone", "ipc", "ipc-frames", "tcp", "inproc", "ours", "raw"} | set(
         PLACEMENTS
-    )
+    ) | set(SPLITS)
     measurements = [row["measurement"] for row in result["results"]]
     assert measurements == sorted(measurements, key=KINDS.index)  # grouped, in this order
     assert measurements.count("header") == 1
@@ -113,16 +114,38 @@ def test_every_placement_streams_audio_before_it_ends(result: dict[str, Any]) ->
         assert entry["torch_threads"] >= 1
 
 
+def test_the_split_decodes_after_a_kv_move_that_never_crosses_the_conductor(
+    result: dict[str, Any],
+) -> None:
+    split = {e["layout"]: e for e in rows(result, "split")}
+    assert list(split) == ["co-located", "split-ipc"]  # quick mode: no TCP
+    for entry in split.values():
+        assert entry["requests"] == 2 and len(entry["itl_ms_samples"]) == 2
+        assert 0 < entry["itl_ms"]["median"] < entry["ttft_ms"]["median"] + 1_000
+        assert entry["conductor"]["step_messages"] == 0
+        assert entry["conductor"]["state_bytes"] == 0
+    assert "move" not in split["co-located"] and "itl_ratio" not in split["co-located"]
+    move = split["split-ipc"]["move"]
+    # Every request's KV moved (the prompt's tokens, 23 KB a token on SmolLM2-135M), and far
+    # fewer bytes than that reached the conductor.
+    assert move["mb"]["median"] > 1.0 and move["mb_per_s"]["median"] > 0
+    crossed = split["split-ipc"]["conductor"]["bytes_received_per_request"]["median"]
+    assert crossed < move["mb"]["median"] * 1e6 / 10
+    assert split["split-ipc"]["itl_ratio"]["n"] == 2
+
+
 def test_every_aim_is_judged(result: dict[str, Any]) -> None:
     aims = result["aims"]
-    assert len(aims) == len(TRANSPORTS) * len(MESSAGES) + 1
+    assert len(aims) == len(TRANSPORTS) * len(MESSAGES) + 1 + 2
     for aim in aims:
         assert isinstance(aim["met"], bool)
         assert aim["measured"] > 0 and aim["target"] > 0
     texts = [aim["name"] for aim in aims]
     for transport in TRANSPORTS:
         assert sum(f"over {transport}" in text for text in texts) == len(MESSAGES)
-    assert "IPC throughput of a 8 MB tensor" in texts[-1]
+    assert "IPC throughput of a 8 MB tensor" in texts[-3]
+    assert "(split-ipc) <= 1.1x co-located" in texts[-2]
+    assert "KV move rank to rank over shared memory >= 1000 MB/s" in texts[-1]
 
 
 def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
@@ -141,6 +164,8 @@ def test_text_report_shows_every_row(result: dict[str, Any]) -> None:
             )
     for placement in PLACEMENTS:
         assert any(row.startswith(f"{placement:>15} |") for row in rows), placement
+    for layout in SPLITS[:2]:
+        assert any(row.startswith(f"{layout:>10} |") for row in rows), layout
     for aim in result["aims"]:
         assert aim["name"] in text
     assert text.count("NOT met") == sum(not aim["met"] for aim in result["aims"])
@@ -150,6 +175,7 @@ def test_throughput_only_measures_tensors_alone() -> None:
     out = run_transport(quick=True, repeat=1, progress=quiet, throughput_only=True)
     check_report(out)
     assert rows(out, "latency") == [] and rows(out, "placement") == []
+    assert rows(out, "split") == []
     throughput = rows(out, "throughput")
     assert [e["size_bytes"] for e in throughput] == [1 << 20, 8 << 20]
     assert len(out["aims"]) == 1 and "IPC throughput" in out["aims"][0]["name"]

@@ -15,18 +15,15 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
 from mstar_async.conductor import Conductor
 from mstar_async.conductor.dispatch import PlacedExecutor
-from mstar_async.conductor.stepwise import StepwiseWalks
-from mstar_async.conductor.walk_stream import WalkControl, WalkInbox, WalkRouter
+from mstar_async.conductor.walk_stream import WalkControl, WalkInbox
 from mstar_async.engines import StatelessEngine
 from mstar_async.errors import RequestError
 from mstar_async.graph import Model, Node, PortRef, Walk
 from mstar_async.placement import Placement
 from mstar_async.runtime import open_runtime
-from mstar_async.transport import StepCall, TensorRef
 from mstar_async.worker.walk_loop import WalkLoop
 from tests.conductor.helpers import t
 
@@ -59,15 +56,9 @@ class Ranks:
         }
         self.released: list[tuple[int, str]] = []
 
-    async def submit_to(self, rank: int, call: StepCall) -> dict[str, Any]:
-        return await self.loops[rank].submit(call)
-
     async def release_on(self, rank: int, request_id: str) -> None:
         self.released.append((rank, request_id))
         await self.loops[rank].release(request_id)
-
-    async def fetch_from(self, rank: int, ref: TensorRef) -> torch.Tensor:
-        raise AssertionError("no tensor is kept on a rank here")
 
     def open_walk_on(
         self,
@@ -78,7 +69,10 @@ class Ranks:
         params: Mapping[str, Any],
         persisted: Mapping[PortRef, Any],
         sink: WalkInbox,
+        *,
+        moves: Mapping[str, int] | None = None,
     ) -> WalkControl:
+        assert not moves, "a request stays on its replica"
         plan = self.model.plan(walk)
         return self.loops[rank].open_walk(request_id, plan, inputs, params, persisted, sink)
 
@@ -97,10 +91,8 @@ async def _placed(ranks: Ranks) -> AsyncIterator[tuple[Conductor, PlacedExecutor
     async with anyio.create_task_group() as tg:
         for loop in ranks.loops.values():
             await tg.start(loop.run)
-        async with StepwiseWalks(executor) as stepwise:
-            walks = WalkRouter(executor, stepwise)
-            async with Conductor(ranks.model, executor, walks=walks) as conductor:
-                yield conductor, executor
+        async with Conductor(ranks.model, executor, walks=executor) as conductor:
+            yield conductor, executor
         tg.cancel_scope.cancel()
 
 

@@ -83,6 +83,8 @@ def test_export_moves_a_prefix_to_another_engine() -> None:
     source, target = PrefixCacheEngine(SumModel()), PrefixCacheEngine(SumModel())
     source.forward([prefix_step("a", 1, 2, 3)])
     state = source.export_state("a")
+    assert source.requests_held == 1  # held until released, once the state has arrived
+    source.release("a")
     assert source.requests_held == 0 and source.export_state("a") is None
     assert state is not None and state["keys"].shape == (1, 1, 3, 4)
     target.import_state("a", state)

@@ -391,6 +391,8 @@ def test_embeds_engine_splits_a_step_by_budget_and_moves_a_request_between_engin
     assert isinstance(again, dict) and torch.equal(again["codes"], first["codes"])
     # Its KV and generator move to another engine, which decodes as the first one did.
     state = split.export_state("a")
+    assert split.blocks_in_use > 0  # held until released, once the state has arrived
+    split.release("a")
     assert split.blocks_in_use == 0 and split.export_state("a") is None
     target = engine()
     target.import_state("a", state)

@@ -36,6 +36,12 @@ RULES: list[tuple[dict[str, Any], str]] = [
     ({"walks": {"prefill": {"codec": 0}}}, "walks.prefill names node 'codec'.*does not run"),
     ({"nodes": {"uncond": 1}}, "nodes 'cond'.*and 'uncond'.*share engine 'denoiser'"),
     (
+        {"nodes": {"guide": 1}},
+        r"walk 'image': its Loop over nodes \['cond', 'uncond', 'guide'\] spans ranks \('cond' "
+        r"on rank 0, 'uncond' on rank 0, 'guide' on rank 1\); a loop lives on one rank.*place "
+        "every node of the loop on the same rank",
+    ),
+    (
         {"nodes": {"prefill": [0, 1], "step": [1, 2]}},
         r"engine 'lm' runs on ranks \[0, 1\].*\[1, 2\].*overlap on \[1\]",
     ),

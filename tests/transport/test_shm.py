@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from mstar_async.transport import (
     SUPPORTED_DTYPES,
-    StepReply,
-    StepRequest,
+    FeedWalk,
+    StateReply,
     TransportError,
     ZmqHub,
     decode_message,
@@ -202,17 +202,17 @@ async def test_many_messages_then_close_leave_no_segments() -> None:
             link = hub.connect(server.endpoint, identity=b"w")
             assert link.shared_memory and server.shared_memory
             for i in range(30):
-                await link.send(StepRequest(i, "r", "e", "o", inputs={"x": tensor}))
+                await link.send(FeedWalk(i, "n.x", {"x": tensor}))
                 identity, frames = await server.recv_frames()
                 assert len(frames) == 1  # the header only: the tensor is in shared memory
                 request = decode_message(frames)
-                assert isinstance(request, StepRequest)
-                received = request.inputs["x"]
+                assert isinstance(request, FeedWalk)
+                received = request.items["x"]
                 assert torch.equal(received, tensor) and in_segment(received)
-                await server.send(identity, StepReply(i, {"y": received}))  # echo it back
+                await server.send(identity, StateReply(i, {"y": received}))  # echo it back
                 reply = await link.recv()
-                assert isinstance(reply, StepReply)
-                assert torch.equal(reply.result()["y"], tensor)
+                assert isinstance(reply, StateReply)
+                assert torch.equal(reply.state["y"], tensor)
                 del request, received, reply
             # One segment each way, reused by every message.
             assert len(ours()) == 2
@@ -227,7 +227,7 @@ async def test_a_receiver_that_never_reads_leaves_no_segments() -> None:
         server = receiver.bind()
         link = sender.connect(server.endpoint)
         for i in range(8):
-            await link.send(StepRequest(i, "r", "e", "o", inputs={"x": tensor}))
+            await link.send(FeedWalk(i, "n.x", {"x": tensor}))
         await anyio.sleep(0.05)
         receiver.close()  # unread messages dropped with the socket
         assert len(ours()) == 8  # each still held for a message nobody read
@@ -241,14 +241,14 @@ async def test_a_failed_send_frees_its_segment() -> None:
     with anyio.fail_after(10), ZmqHub() as hub:
         server = hub.bind()
         link = hub.connect(server.endpoint, identity=b"w")
-        await link.send(StepRequest(0, "r", "e", "o", inputs={"x": tensor}))
+        await link.send(FeedWalk(0, "n.x", {"x": tensor}))
         _, held = await server.recv()  # keeps the request's segment busy
         with pytest.raises(TransportError, match="no peer"):
-            await server.send(b"nobody", StepReply(0, {"y": tensor}))
+            await server.send(b"nobody", StateReply(0, {"y": tensor}))
         # The failed send's segment is free: the next one takes it instead of a new one.
-        await server.send(b"w", StepReply(1, {"y": tensor}))
+        await server.send(b"w", StateReply(1, {"y": tensor}))
         reply = await link.recv()
-        assert isinstance(reply, StepReply) and torch.equal(reply.result()["y"], tensor)
+        assert isinstance(reply, StateReply) and torch.equal(reply.state["y"], tensor)
         assert len(ours()) == 2  # the held request's, and one that both replies took
         del held
 
@@ -260,7 +260,7 @@ async def test_tcp_never_uses_shared_memory() -> None:
         server = hub.bind("tcp://127.0.0.1:0")
         link = hub.connect(server.endpoint)
         assert not link.shared_memory
-        await link.send(StepRequest(0, "r", "e", "o", inputs={"x": tensor}))
+        await link.send(FeedWalk(0, "n.x", {"x": tensor}))
         _, frames = await server.recv_frames()
         assert len(frames) == 2 and ours() == []
         with pytest.raises(TransportError, match="needs an ipc:// endpoint"):
@@ -272,16 +272,16 @@ async def test_tcp_never_uses_shared_memory() -> None:
 _CHILD = textwrap.dedent(
     """
     import asyncio, sys, torch
-    from mstar_async.transport import StepReply, StepRequest, ZmqHub
+    from mstar_async.transport import StateReply, FeedWalk, ZmqHub
 
     async def main():
         with ZmqHub() as hub:
             link = hub.connect(sys.argv[1], identity=b"child")
             gen = torch.Generator().manual_seed(7)
             x = torch.randn(int(sys.argv[2]), generator=gen)
-            await link.send(StepRequest(1, "r", "e", "o", inputs={"x": x}))
+            await link.send(FeedWalk(1, "n.x", {"x": x}))
             reply = await link.recv()  # stay up until the parent has read the tensor
-            assert isinstance(reply, StepReply)
+            assert isinstance(reply, StateReply)
 
     asyncio.run(main())
     """
@@ -302,11 +302,11 @@ async def test_a_tensor_from_another_process() -> None:
         async with child:
             identity, frames = await server.recv_frames()
             request = decode_message(frames)
-            assert isinstance(request, StepRequest) and len(frames) == 1
-            received = request.inputs["x"]
+            assert isinstance(request, FeedWalk) and len(frames) == 1
+            received = request.items["x"]
             expected = torch.randn(numel, generator=torch.Generator().manual_seed(7))
             assert torch.equal(received, expected) and in_segment(received)
-            await server.send(identity, StepReply(1))
+            await server.send(identity, StateReply(1))
             assert await child.wait() == 0
         # The child's pool unlinked its segment when it exited; our mapping still reads.
         assert not any(n.startswith(f"{shm.PREFIX}{child.pid}-") for n in shm.segment_names())

@@ -1,4 +1,4 @@
-"""Message structs: framing round trips, StepCall conversion, errors re-raised by class."""
+"""Message structs: framing round trips, errors re-raised by class."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from mstar_async.engines.sampling import SamplingParams
 from mstar_async.errors import EngineError, KVCacheFull, MstarError, RequestCancelled
 from mstar_async.policies import Chunk
 from mstar_async.transport import (
+    DropState,
     ErrorInfo,
+    FeedWalk,
+    FetchState,
     FetchTensor,
     Hello,
     Message,
@@ -23,9 +26,9 @@ from mstar_async.transport import (
     Release,
     RemoteError,
     Shutdown,
+    StartWalk,
+    StateReply,
     StepCall,
-    StepReply,
-    StepRequest,
     TensorRef,
     TensorReply,
     TransportError,
@@ -48,13 +51,16 @@ PLAIN = [
     Hello(2, 1234, "tcp://10.0.0.1:5000", ["llm"], peer_endpoint="tcp://10.0.0.2:6000"),
     Peers({0: "ipc:///tmp/a/s1", 3: "tcp://10.0.0.2:6000"}),
     Pong(7, {"tensors_held": 2}),
-    StepReply(4, {"h": TensorRef(1, "2.17", (8, 4096), "bfloat16"), "n": 3}),
+    StateReply(4, {"h": TensorRef(1, "2.17", (8, 4096), "bfloat16"), "n": 3}),
     Release("req-1"),
     Shutdown(),
     Ping(7),
     Pong(7),
     FetchTensor("kv/3/0", id=4),
-    StepReply(3, error=ErrorInfo("KVCacheFull", "no block", "tb")),
+    FetchState("req-1", "lm", id=5),
+    DropState("req-1", "lm"),
+    StartWalk(2, "req-1", "decode", moves={"lm": 0}),
+    StateReply(3, error=ErrorInfo("KVCacheFull", "no block", "tb")),
 ]
 
 
@@ -69,20 +75,14 @@ def test_plain_messages_round_trip(msg: Message) -> None:
 @PROPERTY
 @given(values, values)
 def test_value_carrying_messages_round_trip(inputs: Any, outputs: Any) -> None:
-    request = StepRequest(9, "req", "llm", "decode", "talker", {"x": inputs})
-    out = round_trip(request)
-    assert isinstance(out, StepRequest)
-    assert (out.id, out.request_id, out.engine, out.op, out.node) == (
-        9,
-        "req",
-        "llm",
-        "decode",
-        "talker",
-    )
-    assert_same(request.inputs, out.inputs)
-    reply = round_trip(StepReply(9, outputs))
-    assert isinstance(reply, StepReply) and reply.error is None
-    assert_same(outputs, reply.outputs)
+    feed = FeedWalk(9, "talker.x", {"x": inputs})
+    out = round_trip(feed)
+    assert isinstance(out, FeedWalk)
+    assert (out.id, out.port, out.end) == (9, "talker.x", False)
+    assert_same(feed.items, out.items)
+    reply = round_trip(StateReply(9, outputs))
+    assert isinstance(reply, StateReply) and reply.error is None
+    assert_same(outputs, reply.state)
     tensor_reply = round_trip(TensorReply("ref", 1, outputs))
     assert isinstance(tensor_reply, TensorReply)
     assert_same(outputs, tensor_reply.value)
@@ -93,38 +93,20 @@ def test_decode_step_message_frames_and_zero_copy() -> None:
     hidden = torch.randn(8, 4096).to(torch.bfloat16)
     chunk = Chunk(torch.randint(0, 4096, (28, 7)), start=21, context=7, lookahead=14)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
-    msg = StepRequest(
-        1, "r", "llm", "decode", "llm", {"t": tokens, "h": hidden, "c": chunk, "s": params}
-    )
+    msg = FeedWalk(1, "llm.x", {"t": tokens, "h": hidden, "c": chunk, "s": params})
     frames = encode_message(msg)
     assert len(frames) == 2  # header (with the small tensors) + the hidden states
     out = decode_message(frames)
-    assert isinstance(out, StepRequest)
-    assert out.inputs["h"].data_ptr() == hidden.data_ptr()  # in-process: the same memory
-    assert out.inputs["c"] == chunk and out.inputs["s"] == params
-
-
-def test_step_call_conversion() -> None:
-    call = StepCall("req-7", "codec", "decode", {"codes": torch.arange(4)}, node="snac")
-    request = StepRequest.from_call(11, call)
-    assert (request.id, request.node) == (11, "snac")
-    back = round_trip(request)
-    assert isinstance(back, StepRequest)
-    rebuilt = back.to_call()
-    assert (rebuilt.request_id, rebuilt.engine, rebuilt.op, rebuilt.node) == (
-        "req-7",
-        "codec",
-        "decode",
-        "snac",
-    )
-    assert torch.equal(rebuilt.inputs["codes"], torch.arange(4))
+    assert isinstance(out, FeedWalk)
+    assert out.items["h"].data_ptr() == hidden.data_ptr()  # in-process: the same memory
+    assert out.items["c"] == chunk and out.items["s"] == params
 
 
 def test_encode_rejects_non_messages_and_bad_values() -> None:
     with pytest.raises(TransportError, match="not a message"):
         encode_message(StepCall("r", "e", "o", {}))  # type: ignore[arg-type]
     with pytest.raises(TransportError, match="builtins.object"):
-        encode_message(StepRequest(1, "r", "e", "o", inputs={"x": object()}))
+        encode_message(FeedWalk(1, "n.x", {"x": object()}))
 
 
 @pytest.mark.parametrize(
@@ -132,7 +114,7 @@ def test_encode_rejects_non_messages_and_bad_values() -> None:
     [
         ([], "empty"),
         ([b"\x92\xa4nope\x01"], "malformed"),
-        ([msgspec.msgpack.encode(["step", 1])], "malformed"),
+        ([msgspec.msgpack.encode(["feed"])], "malformed"),
     ],
     ids=["empty", "unknown-tag", "missing-fields"],
 )
@@ -149,20 +131,20 @@ def test_known_errors_come_back_as_their_class(cls: type[MstarError]) -> None:
     try:
         raise cls("it broke")
     except MstarError as exc:
-        reply = round_trip(StepReply.failed(5, exc))
-    assert isinstance(reply, StepReply) and reply.error is not None
+        reply = round_trip(StateReply(5, error=ErrorInfo.from_exception(exc)))
+    assert isinstance(reply, StateReply) and reply.error is not None
     assert reply.error.type == cls.__name__
     with pytest.raises(cls, match="it broke") as info:
-        reply.result()
+        raise reply.error.to_exception()
     assert type(info.value) is cls
     assert any("remote traceback" in note and "it broke" in note for note in info.value.__notes__)
 
 
 def test_unknown_errors_come_back_as_remote_error_with_the_type_name() -> None:
-    reply = round_trip(StepReply.failed(1, KeyError("k")))
-    assert isinstance(reply, StepReply)
+    reply = round_trip(StateReply(1, error=ErrorInfo.from_exception(KeyError("k"))))
+    assert isinstance(reply, StateReply) and reply.error is not None
     with pytest.raises(RemoteError, match="KeyError") as info:
-        reply.result()
+        raise reply.error.to_exception()
     assert info.value.remote_type == "KeyError"
     assert isinstance(info.value, MstarError)
 

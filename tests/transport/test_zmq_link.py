@@ -13,12 +13,12 @@ import zmq
 
 from mstar_async.transport import (
     SUPPORTED_DTYPES,
+    FeedWalk,
     Hello,
     Ping,
     Pong,
     Server,
-    StepReply,
-    StepRequest,
+    StateReply,
     TransportError,
     ZmqHub,
     decode_message,
@@ -56,13 +56,13 @@ async def test_tensor_round_trip(hub: ZmqHub, transport: str, nbytes: int) -> No
         server = bind(hub, transport)
         link = hub.connect(server.endpoint, identity=b"rank-1")
         tensor = payload(nbytes).to(torch.bfloat16 if nbytes == MB else torch.int32)
-        await link.send(StepRequest(1, "req", "llm", "prefill", inputs={"x": tensor}))
+        await link.send(FeedWalk(1, "n.x", {"x": tensor}))
 
         identity, frames = await server.recv_frames()
         assert identity == b"rank-1"
         request = decode_message(frames)
-        assert isinstance(request, StepRequest)
-        received = request.inputs["x"]
+        assert isinstance(request, FeedWalk)
+        received = request.items["x"]
         assert received.dtype == tensor.dtype and torch.equal(received, tensor)
         if transport == "ipc" and nbytes >= SHM_TENSOR_BYTES:
             # Through shared memory: the header alone travels, the tensor maps the segment.
@@ -74,10 +74,10 @@ async def test_tensor_round_trip(hub: ZmqHub, transport: str, nbytes: int) -> No
         del frames, request
 
         # Echo it back: the received tensor goes out again without a copy of ours.
-        await server.send(identity, StepReply(1, {"y": received}))
+        await server.send(identity, StateReply(1, {"y": received}))
         reply = await link.recv()
-        assert isinstance(reply, StepReply)
-        assert torch.equal(reply.result()["y"], tensor)
+        assert isinstance(reply, StateReply)
+        assert torch.equal(reply.state["y"], tensor)
 
 
 @pytest.mark.filterwarnings(COMPLEX_HALF_WARNING)
@@ -94,12 +94,12 @@ async def test_small_tensors_of_every_dtype(hub: ZmqHub, transport: str) -> None
     with anyio.fail_after(20):
         server = bind(hub, transport)
         link = hub.connect(server.endpoint, identity=b"w")
-        await link.send(StepRequest(1, "r", "e", "o", inputs=inputs))
+        await link.send(FeedWalk(1, "n.x", inputs))
         _, request = await server.recv()
-        assert isinstance(request, StepRequest)
-        assert list(request.inputs) == list(inputs)
+        assert isinstance(request, FeedWalk)
+        assert list(request.items) == list(inputs)
         for key, tensor in inputs.items():
-            assert_same_tensor(tensor, request.inputs[key])
+            assert_same_tensor(tensor, request.items[key])
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
@@ -133,7 +133,7 @@ async def test_send_nowait_keeps_order_with_awaited_sends_and_carries_large_tens
         big = payload(SHM_TENSOR_BYTES * 2)  # through shared memory over IPC
         sent = []
         for n in range(40):
-            message = Ping(n) if n % 5 else StepReply(n, {"x": big})
+            message = Ping(n) if n % 5 else StateReply(n, {"x": big})
             sent.append(message)
             if n % 2:
                 link.send_nowait(message)
@@ -144,8 +144,8 @@ async def test_send_nowait_keeps_order_with_awaited_sends_and_carries_large_tens
             if isinstance(expected, Ping):
                 assert got == expected
             else:
-                assert isinstance(got, StepReply) and got.id == expected.id
-                assert torch.equal(got.outputs["x"], big)
+                assert isinstance(got, StateReply) and got.id == expected.id
+                assert torch.equal(got.state["x"], big)
         link.close()
         with pytest.raises(TransportError, match="closed"):
             link.send_nowait(Ping())
@@ -287,12 +287,12 @@ async def test_closing_the_hub_releases_sockets_fds_and_ipc_files() -> None:
         tcp = hub.bind("tcp://127.0.0.1:0")
         links = [hub.connect(ipc.endpoint), hub.connect(tcp.endpoint)]
         for link, server in zip(links, [ipc, tcp], strict=True):
-            await link.send(StepRequest(1, "r", "e", "o", inputs={"x": payload(MB)}))
+            await link.send(FeedWalk(1, "n.x", {"x": payload(MB)}))
             identity, msg = await server.recv()
             await server.send(
-                identity, StepReply(1, msg.inputs if isinstance(msg, StepRequest) else {})
+                identity, StateReply(1, msg.items if isinstance(msg, FeedWalk) else {})
             )
-            assert isinstance(await link.recv(), StepReply)
+            assert isinstance(await link.recv(), StateReply)
         links[0].close()
         assert hub.open_sockets == 3
         ipc_path = ipc.endpoint.removeprefix("ipc://")

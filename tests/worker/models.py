@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from mstar_async.engines import StatelessEngine
+from mstar_async.engines import StatelessEngine, Step, StepResult
 from mstar_async.graph import (
     DynamicLoop,
     Edge,
@@ -25,45 +26,6 @@ from mstar_async.models import build_model
 from mstar_async.policies import Chunk, FixedChunkPolicy
 
 BOUND = 2
-
-
-def _sink(items: list[Chunk]) -> dict[str, Any]:
-    time.sleep(0.02)  # a slow consumer
-    return {"seen": [c.data.clone() for c in items]}
-
-
-async def _program(request: Any, n: int = 40) -> AsyncGenerator[Any, None]:
-    async with request.stream("w", params={"n": n}, x=torch.tensor(0)) as events:
-        async for event in events:
-            if event.value.numel():  # not the stream's final chunk, which brings no item
-                yield int(event.value)
-
-
-def build_slow_pipeline() -> Model:
-    """A fast counter loop on one node streaming into a slow sink, one item per chunk."""
-    nodes = [
-        Node("count", engine="counter", inputs=["x"], outputs=["y"]),
-        Node("sink", engine="sink", inputs=["items"], outputs=["seen"]),
-    ]
-    loop = DynamicLoop(
-        "count",
-        until=lambda s: int(s.outputs["count.y"]) >= s.params["n"],
-        max_iterations=10_000,
-        carry={"count.y": "count.x"},
-    )
-    model = Model(
-        "slow-pipeline",
-        nodes=nodes,
-        edges=[stream("count.y", "sink.items", FixedChunkPolicy(1), max_buffer=BOUND)],
-        walks=[Walk("w", Sequential(loop, "sink"), outputs=["sink.seen"])],
-        program=_program,
-        components={
-            "counter": lambda: StatelessEngine({"count": lambda x: {"y": x + 1}}),
-            "sink": lambda: StatelessEngine({"sink": _sink}),
-        },
-    )
-    model.source = ModelSource("tests.worker.models:build_slow_pipeline")
-    return model
 
 
 def build_demo_needing_a_checkpoint() -> Model:
@@ -198,8 +160,10 @@ def build_two_ranks() -> Model:
     """Placed with ``TWO_RANKS``, walk ``w`` splits into segments: ``head`` and a counting
     loop on rank 0 stream items to ``sink`` on rank 1 (chunks of ``CHUNK``, bound ``BOUND``),
     ``head.gain`` crosses to ``sink`` and ``sink.out`` back to ``tail`` as plain edges, and
-    ``tail`` runs after ``sink`` has finished. Walk ``bounce`` loops over both ranks, so it
-    runs step by step. ``g < 0`` fails ``sink``; ``delay`` slows it (seconds per forward)."""
+    ``tail`` runs after ``sink`` has finished. Walk ``bounce`` loops over ``bump`` and
+    ``echo``: placed on two ranks its loop would span them, which placement refuses, so
+    ``TWO_RANKS`` puts both on rank 1. ``g < 0`` fails ``sink``; ``delay`` slows it (seconds
+    per forward)."""
     nodes = [
         Node("head", engine="head", inputs=["x", "g"], outputs=["y", "gain"]),
         Node("count", engine="counter", inputs=["x"], outputs=["y"]),
@@ -245,4 +209,49 @@ def build_two_ranks() -> Model:
         },
     )
     model.source = ModelSource("tests.worker.models:build_two_ranks")
+    return model
+
+
+class SlowMoves:
+    """An engine whose state moves take ``seconds`` on one side (``slow``: ``"export"`` or
+    ``"import"``), on the forward thread as real moves run; everything else is ``inner``'s."""
+
+    def __init__(self, inner: Any, slow: str, seconds: float) -> None:
+        self.inner = inner
+        self.slow = slow
+        self.seconds = seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def cost(self, step: Step) -> int:
+        return int(self.inner.cost(step))
+
+    def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+        return list(self.inner.forward(steps))
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    def export_state(self, request_id: str) -> Any:
+        if self.slow == "export":
+            time.sleep(self.seconds)
+        return self.inner.export_state(request_id)
+
+    def import_state(self, request_id: str, state: Any) -> None:
+        if self.slow == "import":
+            time.sleep(self.seconds)
+        self.inner.import_state(request_id, state)
+
+
+def build_slow_moving_lm(path: str, slow: str, seconds: float) -> Model:
+    """The causal-lm over the checkpoint folder ``path`` (float32), whose engine's state moves
+    take ``seconds`` on the ``slow`` side (see ``SlowMoves``): time to act during a move."""
+    model = build_model("causal-lm", path=path, dtype="float32")
+    inner = model.components["lm"]
+    model.components = MappingProxyType({"lm": lambda: SlowMoves(inner(), slow, seconds)})
+    model.source = ModelSource(
+        "tests.worker.models:build_slow_moving_lm",
+        {"path": path, "slow": slow, "seconds": seconds},
+    )
     return model

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mstar_async.engines import WAIT, Step, StepResult
 from mstar_async.errors import EngineError, KVCacheFull
-from mstar_async.transport import EXPORT_OP, IMPORT_OP
+from mstar_async.transport import DROP_OP, EXPORT_OP, IMPORT_OP
 from mstar_async.worker import Job, Scheduler
 from mstar_async.worker.scheduler import ForwardTimer
 
@@ -45,6 +45,7 @@ class Fake:
         self.blocked: set[str] = set()
         self.released: list[str] = []
         self.held: dict[str, Any] = {}
+        self.full: set[str] = set()  # requests whose import finds no room
 
     def cost(self, step: Step) -> int:
         if step.inputs.get("bad_cost"):
@@ -76,9 +77,11 @@ class Fake:
         self.done.pop(request_id, None)
 
     def export_state(self, request_id: str) -> Any:
-        return self.held.pop(request_id, None)
+        return self.held.get(request_id)
 
     def import_state(self, request_id: str, state: Any) -> None:
+        if request_id in self.full:
+            raise KVCacheFull("no room")
         if state is not None:
             self.held[request_id] = state
 
@@ -249,10 +252,45 @@ def test_state_moves_through_the_engine_protocol_without_a_forward() -> None:
     source.held["r"] = {"kv": 42}
     scheduler.submit(Job("a", Step("r", EXPORT_OP, {}), owner="export"))
     exported = drain(scheduler)["export"]
-    assert exported == {"state": {"kv": 42}} and source.held == {}
+    assert exported == {"state": {"kv": 42}} and source.held == {"r": {"kv": 42}}
     scheduler.submit(Job("b", Step("r", IMPORT_OP, exported), owner="import"))
     assert drain(scheduler)["import"] == {} and target.held == {"r": {"kv": 42}}
+    scheduler.submit(Job("a", Step("r", DROP_OP, {}), owner="drop"))
+    assert drain(scheduler)["drop"] == {} and source.released == ["r"]
     assert scheduler.stats.forwards == 0  # moves are not forwards
+
+
+def test_an_import_without_room_waits_for_a_release_and_then_lands() -> None:
+    target = Fake()
+    scheduler = Scheduler({"b": target})
+    scheduler.submit(job("holder", engine="b"))  # a request that holds memory in the engine
+    scheduler.run_round()
+    target.full.add("r")
+    scheduler.submit(Job("b", Step("r", IMPORT_OP, {"state": 7}), owner="import"))
+    assert scheduler.run_round() == [] and scheduler.parked  # no room: parked, not failed
+    target.full.clear()
+    scheduler.release("holder")
+    assert drain(scheduler)["import"] == {} and target.held == {"r": 7}
+
+
+def test_an_engine_without_the_state_protocol_moves_nothing() -> None:
+    class Plain:
+        def cost(self, step: Step) -> int:
+            return 1
+
+        def forward(self, steps: Sequence[Step]) -> list[StepResult]:
+            return [{} for _ in steps]
+
+        def release(self, request_id: str) -> None:
+            pass
+
+    scheduler = Scheduler({"e": Plain()})
+    scheduler.submit(Job("e", Step("r", EXPORT_OP, {}), owner="export"))
+    scheduler.submit(Job("e", Step("r", IMPORT_OP, {"state": None}), owner="none"))
+    scheduler.submit(Job("e", Step("q", IMPORT_OP, {"state": 1}), owner="some"))
+    outcomes = drain(scheduler)
+    assert outcomes["export"] == {"state": None} and outcomes["none"] == {}
+    assert isinstance(outcomes["some"], EngineError)
 
 
 def test_long_prefills_shrink_into_chunks_whose_forward_stays_within_the_bound() -> None:

@@ -13,7 +13,7 @@ import anyio
 import pytest
 import torch
 
-from mstar_async.errors import RequestError, WorkerLost
+from mstar_async.errors import PlacementError, RequestError, WorkerLost
 from mstar_async.models import build_model
 from mstar_async.outputs import AudioChunk
 from mstar_async.placement import Placement
@@ -30,7 +30,8 @@ pytestmark = [
     pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"]),
 ]
 
-TWO_RANKS = Placement(nodes={"sink": 1, "echo": 1})
+# Walk bounce's loop (bump on the counter engine, echo) lives on rank 1 whole.
+TWO_RANKS = Placement(nodes={"sink": 1, "echo": 1}, walks={"bounce": {"bump": 1}})
 ENDLESS = 10**6  # iterations no test waits for: only a cancel, an error or a loss ends them
 
 
@@ -38,12 +39,6 @@ async def collect(runtime: Runtime, **inputs: Any) -> list[Any]:
     with anyio.fail_after(60):
         async with runtime.generate(**inputs) as outputs:
             return [item async for item in outputs]
-
-
-def step_by_step(runtime: Runtime) -> None:
-    """Make the runtime's conductor run every walk step by step (the path for walks whose
-    loops span ranks), to compare with."""
-    runtime.conductor.walks = runtime.conductor.walks.hosts_in_order[-1]  # type: ignore[attr-defined]
 
 
 async def steps_on(pool: WorkerPool, rank: int) -> int:
@@ -63,14 +58,14 @@ async def settled(read: Callable[[], Awaitable[int]], quiet: float = 0.3) -> int
 
 
 async def assert_nothing_left(runtime: Runtime) -> None:
-    """No walk, step, kept tensor or request state on any rank, and no walk traffic waiting in
-    the pool."""
+    """No walk, kept tensor or request state on any rank, and no walk traffic waiting in the
+    pool."""
     pool = runtime.pool
     assert pool is not None
 
     async def busy() -> int:
         stats = [await pool.worker_stats(rank) for rank in sorted(pool.ranks)]
-        return sum(s["walks"] + s["steps_running"] + s["requests_held"] for s in stats)
+        return sum(s["walks"] + s["requests_held"] for s in stats)
 
     assert await settled(busy) == 0
     assert not runtime.conductor.active
@@ -93,19 +88,29 @@ async def test_a_split_walk_gives_the_in_process_answers_without_a_step_message(
         # the edge's 41 items and its end went from rank 0 to rank 1 directly, and rank 0's
         # wait for rank 1's unit came from rank 1 directly.
         assert await steps_on(pool, 0) - counted >= 41
-        assert pool.steps_sent == 0
+        assert pool.stats().step_messages == 0
         rank0, rank1 = await pool.worker_stats(0), await pool.worker_stats(1)
         assert rank0["peer_entries_sent"] >= 42 and rank1["peer_entries_taken"] >= 42
         assert rank1["peer_entries_sent"] >= 1 and rank0["peer_entries_taken"] >= 1
-        # The walk whose loop spans both ranks runs step by step, as before.
+        # The loop of walk bounce runs whole on rank 1: fourteen steps there, no message each.
+        counted = await steps_on(pool, 1)
         assert await collect(runtime, n=7, walk="bounce") == expected_bounce
-        assert pool.steps_sent == 2 * 7
-        # Step by step, the split walk gives the same answers at one message per step.
-        sent = pool.steps_sent
-        step_by_step(runtime)
-        assert await collect(runtime, n=41) == expected
-        assert pool.steps_sent - sent >= 41
+        assert await steps_on(pool, 1) - counted >= 14
+        assert pool.stats().step_messages == 0 and pool.stats().state_bytes == 0
         await assert_nothing_left(runtime)
+
+
+async def test_a_loop_placed_across_ranks_is_refused_before_any_worker_starts() -> None:
+    across = Placement(nodes={"sink": 1, "echo": 1})  # bounce: bump on rank 0, echo on rank 1
+    with pytest.raises(PlacementError) as caught:
+        async with open_runtime(build_two_ranks(), placement=across):
+            raise AssertionError("the runtime opened")
+    assert str(caught.value) == (
+        "walk 'bounce': its DynamicLoop over nodes ['bump', 'echo'] spans ranks ('bump' on "
+        "rank 0, 'echo' on rank 1); a loop lives on one rank, so that its steps never cross a "
+        "process: place every node of the loop on the same rank (or the same replicas), e.g. "
+        "with a walks: override for this walk"
+    )
 
 
 async def test_a_slow_consumer_holds_the_producer_on_the_other_rank() -> None:
@@ -239,7 +244,7 @@ TALKER_ON_1 = Placement(
     ],
     ids=["orpheus-snac-split", "qwen3-omni-code2wav-split", "qwen3-omni-talker-split"],
 )
-async def test_zoo_speech_models_split_give_the_in_process_answers_as_segments_and_stepwise(
+async def test_zoo_speech_models_split_give_the_in_process_answers_as_segments(
     name: str,
     options: dict[str, Any],
     placement: Placement,
@@ -253,9 +258,6 @@ async def test_zoo_speech_models_split_give_the_in_process_answers_as_segments_a
         pool = runtime.pool
         assert pool is not None
         _same(await collect(runtime, **inputs), expected)
-        assert pool.steps_sent == 0  # the speech walk ran as segments: each loop on its rank
-        # Step by step on the conductor: the same answers, every step a message.
-        step_by_step(runtime)
-        _same(await collect(runtime, **inputs), expected)
-        assert pool.steps_sent > 0
+        # The speech walk ran as segments: each loop on its rank, no step through here.
+        assert pool.stats().step_messages == 0
         await assert_nothing_left(runtime)

@@ -227,8 +227,9 @@ class EmbedsKVEngine(KeptKV):
         return verdict.results
 
     def export_state(self, request_id: str) -> dict[str, Any] | None:
-        """The request's KV (on the CPU) and sampling state, then release it here; ``None``
-        if nothing is held. Runs on the forward thread.
+        """The request's KV (on the CPU) and sampling state, to move them to another engine;
+        they stay held here until ``release``. ``None`` if nothing is held. Runs on the
+        forward thread.
 
         Raises:
             EngineError: a step of the request is half computed.
@@ -248,7 +249,6 @@ class EmbedsKVEngine(KeptKV):
             "generator": None if generator is None else generator.get_state(),
             "keys": self._keys.get(request_id),
         }
-        self.release(request_id)
         return state
 
     def import_state(self, request_id: str, state: dict[str, Any] | None) -> None:
