@@ -7,6 +7,9 @@ task switch on each), and a side that must wait parks on one plain future. The v
 anyio's, so callers handle it as they would a memory stream: ``EndOfStream`` once the
 producer has closed and the queue is drained, ``BrokenResourceError`` to a producer whose
 reader has gone, ``ClosedResourceError`` to a reader that closed its own end.
+
+Its reader looks at its own cancel scope every few outputs (``CancelPoints``): the reader of
+an endless producer that keeps ahead of it can still be cancelled.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 import anyio
 
+from mstar_async.conductor.checkpoints import CancelPoints
+
 
 class Outbox:
     """A bounded FIFO of outputs with one producer and one reader, on one event loop.
@@ -25,7 +30,15 @@ class Outbox:
         ValueError: ``max_buffer`` is below 1.
     """
 
-    __slots__ = ("_items", "_max", "_producer_waiter", "_reader_waiter", "done", "reader_gone")
+    __slots__ = (
+        "_cancel_points",
+        "_items",
+        "_max",
+        "_producer_waiter",
+        "_reader_waiter",
+        "done",
+        "reader_gone",
+    )
 
     def __init__(self, max_buffer: int) -> None:
         if max_buffer < 1:
@@ -36,6 +49,7 @@ class Outbox:
         self.reader_gone = False
         self._reader_waiter: asyncio.Future[None] | None = None
         self._producer_waiter: asyncio.Future[None] | None = None
+        self._cancel_points = CancelPoints()
 
     @property
     def buffered(self) -> int:
@@ -85,6 +99,7 @@ class Outbox:
             anyio.EndOfStream: the producer closed and every output was read.
             anyio.ClosedResourceError: this reader closed its end.
         """
+        await self._cancel_points.tick()
         while not self._items:
             if self.reader_gone:
                 raise anyio.ClosedResourceError

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from mstar_async.conductor.checkpoints import CancelPoints
 from mstar_async.graph import PortRef, WalkPlan
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class WalkStream:
         self._inbox = WalkInbox()
         self._control: WalkControl | None = None
         self._error_seen = False
+        self._cancel_points = CancelPoints()
         self._feeders: list[anyio.CancelScope] = []
 
     @property
@@ -210,6 +212,7 @@ class WalkStream:
             self._start()
         inbox = self._inbox
         # Cancel-safe: an output is taken only when this returns it.
+        await self._cancel_points.tick()
         while not inbox.events:
             if inbox.ended:
                 self._finish()
