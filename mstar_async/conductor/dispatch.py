@@ -96,15 +96,28 @@ class PlacedExecutor:
 
     def _node_ranks(self, request_id: str, plan: WalkPlan) -> dict[str, int]:
         """The rank each node of ``plan`` runs on for this request (raises ``PlacementError``
-        for an unplaced walk or node)."""
+        for an unplaced walk or node). Engines placed on the same replicas follow the first of
+        them routed in this walk, so a loop over several replicated engines stays on one
+        replica."""
         walk, found = plan.walk.name, {}
+        placed = {
+            n.name: tuple(self.placement.ranks_for(walk, n.name)) for n in plan.nodes.values()
+        }
+        chosen: dict[tuple[int, ...], int] = {}  # replica set -> this request's rank in it
+        for node in plan.nodes.values():  # a rank the request already holds in a set leads
+            held = self.router.rank_of(request_id, node.engine)
+            if len(placed[node.name]) > 1 and held in placed[node.name]:
+                chosen.setdefault(placed[node.name], held)
         for node in plan.nodes.values():
-            ranks = self.placement.ranks_for(walk, node.name)
-            found[node.name] = (
-                ranks[0]
-                if len(ranks) == 1
-                else self.router.route(request_id, node.engine, ranks).rank
-            )
+            ranks = placed[node.name]
+            if len(ranks) == 1:
+                found[node.name] = ranks[0]
+                continue
+            follow = chosen.get(ranks)
+            if follow is not None and self.router.rank_of(request_id, node.engine) is None:
+                self.router.pin(request_id, node.engine, follow)
+            found[node.name] = self.router.route(request_id, node.engine, ranks).rank
+            chosen.setdefault(ranks, found[node.name])
         return found
 
     def _moves(

@@ -193,10 +193,11 @@ async def test_kv_pressure_evicts_the_kept_rows_and_they_are_computed_again() ->
         assert resumed_rows < rows
 
 
-#: The talker's nodes on two worker ranks (replicas); the rest of the model on rank 0.
-TALKER_REPLICAS = Placement(
-    nodes={node: [0, 1] for node in ("talker_prefill", "talker", "talker_forget")}
-)
+#: The talker's nodes on two worker ranks (replicas), with the code predictor that shares its
+#: decode loop (a loop lives on one rank: each replica runs the whole loop); the rest of the
+#: model on rank 0.
+LOOP_NODES = ("talker_prefill", "talker", "talker_forget", "predictor_prefill", "predictor")
+TALKER_REPLICAS = Placement(nodes={node: [0, 1] for node in LOOP_NODES})
 
 
 async def _stats_when(

@@ -23,6 +23,10 @@ from .support import (
     split_streams,
 )
 
+#: 200 examples a property, for every policy: the long property tests run in the slow set; each
+#: policy's own tests (test_fixed, test_sliding_window, ...) stay in the default one.
+pytestmark = pytest.mark.slow
+
 FAMILIES = sorted(POLICY_FAMILIES)
 
 

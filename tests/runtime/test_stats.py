@@ -18,6 +18,8 @@ from tests.runtime.helpers import SPEECH, tiny_lm
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 CODEC_SPLIT = Placement(nodes={"codec": 1})
+#: Worker processes run uvloop whatever the test's loop: the conductor's side runs on one.
+ONE_LOOP = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 QUESTIONS = ["one", "two", "three", "four"]
 
 
@@ -69,6 +71,7 @@ async def _released(runtime: Runtime) -> RuntimeStats:
     return stats
 
 
+@ONE_LOOP
 async def test_worker_ranks_report_the_same_shape(tiny_folder: Path) -> None:
     async with open_runtime(tiny_lm(tiny_folder), placement=Placement.single()) as runtime:
         await _ask_all(runtime)
@@ -79,6 +82,7 @@ async def test_worker_ranks_report_the_same_shape(tiny_folder: Path) -> None:
     assert stats.conductor.bytes_received > 0  # their outputs came back
 
 
+@ONE_LOOP
 async def test_settings_reach_every_worker_rank(tiny_folder: Path) -> None:
     one_at_a_time = RuntimeSettings(max_batch_size=1)
     model = tiny_lm(tiny_folder)
@@ -88,6 +92,7 @@ async def test_settings_reach_every_worker_rank(tiny_folder: Path) -> None:
     assert set(stats.ranks[0].batch_sizes) == {1}
 
 
+@ONE_LOOP
 async def test_a_killed_rank_is_down_with_why_then_back_with_a_restart() -> None:
     async with open_runtime(build_model("demo"), placement=CODEC_SPLIT) as runtime:
         assert runtime.pool is not None
