@@ -6,12 +6,11 @@ delivered by anyio only while the reader waits on a future that is not yet done;
 that sets the reader's future in every turn of the event loop (an endless walk, a fast model)
 keeps that from ever being true, and the reader runs on past its cancel. Every
 ``CANCEL_CHECK_EVERY`` items the reader asks anyio whether its scope was cancelled, and if so
-yields, which is where the cancel lands.
+yields, which is where the cancel lands. Counting is a plain call (no coroutine per item):
+``if points.due(): await checkpoint_if_cancelled()``.
 """
 
 from __future__ import annotations
-
-from anyio.lowlevel import checkpoint_if_cancelled
 
 #: Items a reader may take between two looks at its cancel scope (a look costs about a
 #: microsecond when nothing was cancelled).
@@ -26,10 +25,11 @@ class CancelPoints:
     def __init__(self) -> None:
         self._taken = 0
 
-    async def tick(self) -> None:
-        """Count one item; every ``CANCEL_CHECK_EVERY`` items, raise the reader's pending
-        cancellation, if any. Raises only that cancellation; cancel-safe (takes nothing)."""
+    def due(self) -> bool:
+        """Count one item; True once every ``CANCEL_CHECK_EVERY`` items, when the reader is to
+        ``await anyio.lowlevel.checkpoint_if_cancelled()``. Never raises."""
         self._taken += 1
-        if self._taken >= CANCEL_CHECK_EVERY:
-            self._taken = 0
-            await checkpoint_if_cancelled()
+        if self._taken < CANCEL_CHECK_EVERY:
+            return False
+        self._taken = 0
+        return True

@@ -141,12 +141,13 @@ class PlacedExecutor:
             self._splits[key] = split_walk(plan, node_ranks)
         split = self._splits[key]
         if split is None:
-            # Replicas of two engines in one loop routed a request apart (validation refuses
-            # a loop placed across ranks, but cannot know where a router sends a request).
+            # Engines of one loop on different replica sets routed a request apart (validation
+            # refuses a loop placed across ranks, but cannot know where a router sends a
+            # request; engines on the same replica set follow one replica, see _node_ranks).
             raise PlacementError(
                 f"walk {plan.walk.name!r}: a loop would span ranks for this request "
                 f"({dict(node_ranks)}); a loop lives on one rank: give the engines of each "
-                "loop the same single rank, or one replica set used by one engine"
+                "loop the same single rank, or the same replica set"
             )
         return split
 

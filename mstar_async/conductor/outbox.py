@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any
 
 import anyio
+from anyio.lowlevel import checkpoint_if_cancelled
 
 from mstar_async.conductor.checkpoints import CancelPoints
 
@@ -99,7 +100,8 @@ class Outbox:
             anyio.EndOfStream: the producer closed and every output was read.
             anyio.ClosedResourceError: this reader closed its end.
         """
-        await self._cancel_points.tick()
+        if self._cancel_points.due():
+            await checkpoint_if_cancelled()
         while not self._items:
             if self.reader_gone:
                 raise anyio.ClosedResourceError

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+from anyio.lowlevel import checkpoint_if_cancelled
 
 from mstar_async.conductor.checkpoints import CancelPoints
 from mstar_async.graph import PortRef, WalkPlan
@@ -212,7 +213,8 @@ class WalkStream:
             self._start()
         inbox = self._inbox
         # Cancel-safe: an output is taken only when this returns it.
-        await self._cancel_points.tick()
+        if self._cancel_points.due():
+            await checkpoint_if_cancelled()
         while not inbox.events:
             if inbox.ended:
                 self._finish()

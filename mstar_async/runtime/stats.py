@@ -82,10 +82,13 @@ class RuntimeStats:
         return {rank: s.reason for rank, s in self.ranks.items() if not s.up}
 
 
+#: The report's fields ``RankStats`` has names for; the rest go to ``details``.
+_READ = frozenset({"walks", "waiting", "kv", "forwards", "steps", "batch_sizes", "stalled_ms"})
+
+
 def rank_stats(rank: int, report: Mapping[str, Any], restarts: int = 0) -> RankStats:
     """A rank's stats from its loop's report (see ``loop_report``). Never raises on a report
     that lacks fields (an older worker): they read as zero."""
-    known = {"walks", "waiting", "kv", "forwards", "steps", "batch_sizes", "stalled_ms"}
     return RankStats(
         rank=rank,
         up=True,
@@ -97,7 +100,7 @@ def rank_stats(rank: int, report: Mapping[str, Any], restarts: int = 0) -> RankS
         batch_sizes={int(k): int(v) for k, v in report.get("batch_sizes", {}).items()},
         restarts=restarts,
         stalled_s=report.get("stalled_ms", 0) / 1000,
-        details={k: v for k, v in report.items() if k not in known and isinstance(v, int)},
+        details={k: v for k, v in report.items() if k not in _READ and isinstance(v, int)},
     )
 
 
